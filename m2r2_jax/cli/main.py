@@ -1,0 +1,56 @@
+"""`m2r2 VERB [flags]`: dispatch to one module per verb (each defines its absl flags and `main`).
+
+Library code never parses flags; verbs are thin: parse, validate, call the library. Errors the user
+can fix (`M2R2Error`) become one line on stderr and exit status 2.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+# verb -> (module under m2r2_jax.cli, one-line help)
+VERBS = {
+    "convert": ("convert", "import a Hugging Face checkpoint (config.json + safetensors) as a model checkpoint"),
+    "export": ("export", "export a model checkpoint back to Hugging Face safetensors"),
+    "logits": ("logits", "base-model logits for int32 [B,T] tokens in a .npy file"),
+    "pretrain": ("pretrain", "pre-train a base model from scratch (the embedded tiny default)"),
+    "sample": ("sample", "sample text from a base model checkpoint"),
+    "distill": ("distill", "train M2R2 adapters, rates and router by self-distillation"),
+    "align": ("align", "slow vs fast stream alignment against compute: JSON + PNG"),
+    "generate": ("generate", "generate with ar, speculative or early-exit decoding"),
+    "bench": ("bench", "speculative-decoding benchmark on prompt sets"),
+    "moe-bench": ("moe_bench", "MoE ahead-of-time expert loading benchmark"),
+    "demo": ("demo", "the main job: train, distill, measure, report (make demo)"),
+}
+
+
+def usage() -> str:
+    lines = ["usage: m2r2 VERB [--flags]   (m2r2 VERB --help for a verb's flags)", "", "verbs:"]
+    lines += [f"  {v:<10} {h}" for v, (_, h) in VERBS.items()]
+    return "\n".join(lines)
+
+
+def run(argv=None) -> None:
+    argv = list(sys.argv if argv is None else argv)
+    if len(argv) < 2 or argv[1] in ("-h", "--help", "help"):
+        print(usage())
+        sys.exit(0 if len(argv) >= 2 else 2)
+    verb = argv[1]
+    if verb not in VERBS:
+        print(f"m2r2: error: unknown verb {verb!r}; expected one of: {', '.join(VERBS)}", file=sys.stderr)
+        sys.exit(2)
+    try:
+        module = importlib.import_module(f"m2r2_jax.cli.{VERBS[verb][0]}")
+    except ModuleNotFoundError as e:
+        if e.name == f"m2r2_jax.cli.{VERBS[verb][0]}":
+            print(f"m2r2: error: verb {verb!r} is not available in this build", file=sys.stderr)
+            sys.exit(2)
+        raise
+    from m2r2_jax.cli.common import run_verb
+
+    run_verb(module.main, [f"m2r2 {verb}"] + argv[2:])
+
+
+if __name__ == "__main__":
+    run()

@@ -1,0 +1,344 @@
+"""Building blocks of the decoder as functional Flax (Linen) modules.
+
+Modules are used functionally: `Module(cfg).apply({"params": p}, ...)` with parameter pytrees
+passed in explicitly. Every projection accepts an optional low-rank adapter `(A, B)` so that the
+M2R2 fast stream can add accelerator adapters around the frozen base weights without a second copy
+of this code (the slow stream never passes adapters).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Mapping, Optional
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from m2r2_jax.models.config import ModelConfig
+
+Array = jax.Array
+Adapters = Optional[Mapping[str, Mapping[str, Array]]]
+NEG_INF = -1e30
+
+_INIT = nn.initializers.normal(stddev=0.02)
+
+
+def dtype_of(name: str):
+    return {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}[name]
+
+
+def rms_norm(x: Array, scale: Array, eps: float) -> Array:
+    """RMSNorm computed in float32, cast back before the scale (the Llama convention)."""
+    x32 = x.astype(jnp.float32)
+    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return scale.astype(x.dtype) * y.astype(x.dtype)
+
+
+def lora_term(x: Array, lora: Optional[Mapping[str, Array]], scale: float) -> Optional[Array]:
+    if lora is None:
+        return None
+    z = x @ lora["A"].astype(x.dtype)
+    return scale * (z @ lora["B"].astype(x.dtype))
+
+
+class RMSNorm(nn.Module):
+    eps: float = 1e-6
+
+    @nn.compact
+    def __call__(self, x: Array) -> Array:
+        scale = self.param("scale", nn.initializers.ones, (x.shape[-1],), jnp.float32)
+        return rms_norm(x, scale, self.eps)
+
+
+class Linear(nn.Module):
+    """`y = x W (+ b) (+ s * (x A) B)`; kernel stored [in, out]."""
+
+    features: int
+    use_bias: bool = False
+    param_dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, x: Array, lora: Optional[Mapping[str, Array]] = None, lora_scale: float = 1.0) -> Array:
+        kernel = self.param("kernel", _INIT, (x.shape[-1], self.features), self.param_dtype)
+        y = x @ kernel.astype(x.dtype)
+        if self.use_bias:
+            y = y + self.param("bias", nn.initializers.zeros, (self.features,), self.param_dtype).astype(x.dtype)
+        extra = lora_term(x, lora, lora_scale)
+        return y if extra is None else y + extra
+
+
+# --------------------------------------------------------------------------------------------
+# Rotary position embedding
+# --------------------------------------------------------------------------------------------
+def rope_inv_freq(cfg: ModelConfig) -> jnp.ndarray:
+    dim = cfg.rotary_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (jnp.arange(0, dim, 2, dtype=jnp.float32) / dim))
+    rs = cfg.rope_scaling
+    if rs.rope_type == "linear":
+        inv_freq = inv_freq / rs.factor
+    elif rs.rope_type == "llama3":
+        old_len = rs.original_max_position_embeddings
+        low_wavelen = old_len / rs.low_freq_factor
+        high_wavelen = old_len / rs.high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        scaled = jnp.where(wavelen > low_wavelen, inv_freq / rs.factor, inv_freq)
+        smooth = (old_len / wavelen - rs.low_freq_factor) / (rs.high_freq_factor - rs.low_freq_factor)
+        smoothed = (1 - smooth) * scaled / rs.factor + smooth * scaled
+        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        inv_freq = jnp.where(medium, smoothed, scaled)
+    return inv_freq
+
+
+def apply_rope(x: Array, positions: Array, cfg: ModelConfig) -> Array:
+    """x: [B, T, H, hd]; positions: [B, T]. Half-split (rotate_half) convention, partial rotary."""
+    rot = cfg.rotary_dim
+    freqs = positions[..., None].astype(jnp.float32) * rope_inv_freq(cfg)  # [B, T, rot/2]
+    emb = jnp.concatenate([freqs, freqs], axis=-1)[:, :, None, :]  # [B, T, 1, rot]
+    cos, sin = jnp.cos(emb), jnp.sin(emb)
+    x_rot, x_pass = x[..., :rot], x[..., rot:]
+    x1, x2 = jnp.split(x_rot.astype(jnp.float32), 2, axis=-1)
+    rotated = jnp.concatenate([-x2, x1], axis=-1)
+    out = (x_rot.astype(jnp.float32) * cos + rotated * sin).astype(x.dtype)
+    return jnp.concatenate([out, x_pass], axis=-1) if x_pass.shape[-1] else out
+
+
+# --------------------------------------------------------------------------------------------
+# Attention
+# --------------------------------------------------------------------------------------------
+def attention_mask(q_pos: Array, k_pos: Array, sliding_window: Optional[int], strict: bool = False) -> Array:
+    """[B, Tq, S] boolean: key visible to query (causal by absolute position, optional window)."""
+    diff = q_pos[:, :, None] - k_pos[:, None, :]
+    mask = diff > 0 if strict else diff >= 0
+    if sliding_window is not None:
+        mask &= diff < sliding_window
+    return mask
+
+
+def attend(
+    q: Array,
+    k: Array,
+    v: Array,
+    mask: Array,
+    k_self: Optional[Array] = None,
+    v_self: Optional[Array] = None,
+) -> Array:
+    """Grouped-query attention.
+
+    q: [B, T, H, hd]; k, v: [B, S, KV, hd]; mask: [B, T, S].
+    With `k_self`/`v_self` ([B, T, KV, hd]) every query also attends to its own key/value (the
+    M2R2 fast stream during training: context from the slow stream's cache, plus its own K/V).
+    Softmax in float32. Returns [B, T, H, hd].
+    """
+    b, t, h, hd = q.shape
+    kv = k.shape[2]
+    g = h // kv
+    qg = q.reshape(b, t, kv, g, hd).astype(jnp.float32) * (1.0 / math.sqrt(hd))
+    scores = jnp.einsum("btkgd,bskd->bkgts", qg, k.astype(jnp.float32))
+    scores = jnp.where(mask[:, None, None, :, :], scores, NEG_INF)
+    if k_self is not None:
+        self_score = jnp.einsum("btkgd,btkd->bkgt", qg, k_self.astype(jnp.float32))[..., None]
+        scores = jnp.concatenate([scores, self_score], axis=-1)
+    probs = jax.nn.softmax(scores, axis=-1)
+    if k_self is not None:
+        probs, p_self = probs[..., :-1], probs[..., -1]
+    out = jnp.einsum("bkgts,bskd->btkgd", probs, v.astype(jnp.float32))
+    if k_self is not None:
+        out = out + jnp.einsum("bkgt,btkd->btkgd", p_self, v_self.astype(jnp.float32))
+    return out.reshape(b, t, h, hd).astype(q.dtype)
+
+
+class Attention(nn.Module):
+    """Projections of one attention sub-block. The attention itself (`attend`) and the KV cache
+    are handled by the caller so that slow and fast streams can share one cache."""
+
+    cfg: ModelConfig
+
+    def setup(self):
+        c = self.cfg
+        pd = dtype_of(c.param_dtype)
+        self.q_proj = Linear(c.n_heads * c.head_dim, c.qkv_bias, pd)
+        self.k_proj = Linear(c.n_kv_heads * c.head_dim, c.qkv_bias, pd)
+        self.v_proj = Linear(c.n_kv_heads * c.head_dim, c.qkv_bias, pd)
+        self.o_proj = Linear(c.d_model, False, pd)
+        if c.qk_norm:
+            self.q_norm = RMSNorm(c.rms_eps)
+            self.k_norm = RMSNorm(c.rms_eps)
+
+    def qkv(self, x: Array, positions: Array, adapters: Adapters = None, lora_scale: float = 1.0):
+        c = self.cfg
+        ad = adapters or {}
+        b, t, _ = x.shape
+        q = self.q_proj(x, ad.get("q_proj"), lora_scale)
+        k = self.k_proj(x, ad.get("k_proj"), lora_scale)
+        v = self.v_proj(x, ad.get("v_proj"), lora_scale)
+        if c.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = apply_rope(q.reshape(b, t, c.n_heads, c.head_dim), positions, c)
+        k = apply_rope(k.reshape(b, t, c.n_kv_heads, c.head_dim), positions, c)
+        v = v.reshape(b, t, c.n_kv_heads, c.head_dim)
+        return q, k, v
+
+    def out(self, a: Array, adapters: Adapters = None, lora_scale: float = 1.0, with_lora: bool = True) -> Array:
+        """a: [B, T, H, hd] -> [B, T, d]. `with_lora=False` leaves the o_proj adapter term to the
+        caller (the fused residual-rate update adds it)."""
+        b, t = a.shape[:2]
+        flat = a.reshape(b, t, -1)
+        lora = (adapters or {}).get("o_proj") if with_lora else None
+        return self.o_proj(flat, lora, lora_scale)
+
+    def __call__(self, x, positions):  # used by init only
+        q, k, v = self.qkv(x, positions)
+        mask = attention_mask(positions, positions, self.cfg.sliding_window)
+        return self.out(attend(q, k, v, mask))
+
+
+# --------------------------------------------------------------------------------------------
+# MLPs
+# --------------------------------------------------------------------------------------------
+class MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x)). Returns (hidden before down_proj, output)."""
+
+    d_ff: int
+    d_model: int
+    param_dtype: Any = jnp.float32
+
+    def setup(self):
+        self.gate_proj = Linear(self.d_ff, False, self.param_dtype)
+        self.up_proj = Linear(self.d_ff, False, self.param_dtype)
+        self.down_proj = Linear(self.d_model, False, self.param_dtype)
+
+    def __call__(self, x: Array, adapters: Adapters = None, lora_scale: float = 1.0, with_lora: bool = True):
+        ad = adapters or {}
+        hidden = jax.nn.silu(self.gate_proj(x, ad.get("gate_proj"), lora_scale)) * self.up_proj(
+            x, ad.get("up_proj"), lora_scale
+        )
+        out = self.down_proj(hidden, ad.get("down_proj") if with_lora else None, lora_scale)
+        return hidden, out
+
+
+def route(cfg: ModelConfig, router_logits: Array) -> tuple[Array, Array]:
+    """Top-k routing with the family's normalisation. Returns (weights [.., k], indices [.., k])."""
+    probs = jax.nn.softmax(router_logits.astype(jnp.float32), axis=-1)
+    weights, idx = jax.lax.top_k(probs, cfg.n_experts_per_tok)
+    if cfg.norm_topk_prob:
+        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    return weights, idx
+
+
+def experts_forward(
+    x: Array, gate: Array, up: Array, down: Array, weights: Array, idx: Array, n_experts: int
+) -> Array:
+    """Weighted sum of the selected experts' SwiGLU outputs. x: [N, d]; gate/up: [E, d, f];
+    down: [E, f, d]; weights/idx: [N, k]. Exact either way; the branch is on static shapes:
+    gathering k experts per token wins when there are few tokens (decoding), a dense pass over all
+    experts when there are many (training, prefill)."""
+    n, k = idx.shape
+    dt = x.dtype
+    if n * k <= n_experts:
+        g, u, dn = gate[idx].astype(dt), up[idx].astype(dt), down[idx].astype(dt)  # [N, k, d, f]
+        h = jax.nn.silu(jnp.einsum("nd,nkdf->nkf", x, g)) * jnp.einsum("nd,nkdf->nkf", x, u)
+        y = jnp.einsum("nkf,nkfd->nkd", h, dn)
+        return jnp.einsum("nkd,nk->nd", y, weights.astype(dt))
+    combine = jnp.zeros((n, n_experts), dt).at[jnp.arange(n)[:, None], idx].add(weights.astype(dt))
+    h = jax.nn.silu(jnp.einsum("nd,edf->nef", x, gate.astype(dt))) * jnp.einsum("nd,edf->nef", x, up.astype(dt))
+    y = jnp.einsum("nef,efd->ned", h, down.astype(dt))
+    return jnp.einsum("ned,ne->nd", y, combine)
+
+
+class MoE(nn.Module):
+    """Routed SwiGLU experts (+ an optional sigmoid-gated shared expert, Qwen2-MoE)."""
+
+    cfg: ModelConfig
+
+    def setup(self):
+        c = self.cfg
+        pd = dtype_of(c.param_dtype)
+        self.router = Linear(c.n_experts, False, pd)
+        shape_in = (c.n_experts, c.d_model, c.moe_d_ff)
+        self.experts_gate = self.param("experts_gate", _INIT, shape_in, pd)
+        self.experts_up = self.param("experts_up", _INIT, shape_in, pd)
+        self.experts_down = self.param("experts_down", _INIT, (c.n_experts, c.moe_d_ff, c.d_model), pd)
+        if c.shared_expert_d_ff:
+            self.shared_expert = MLP(c.shared_expert_d_ff, c.d_model, pd)
+            self.shared_expert_gate = Linear(1, False, pd)
+
+    def router_logits(self, x: Array) -> Array:
+        return self.router(x)
+
+    def __call__(self, x: Array, adapters: Adapters = None, lora_scale: float = 1.0, with_lora: bool = True):
+        """Returns (None, output, router_logits). Adapters do not apply to routed experts."""
+        c = self.cfg
+        lead = x.shape[:-1]
+        flat = x.reshape(-1, c.d_model)
+        logits = self.router(flat)
+        weights, idx = route(c, logits)
+        y = experts_forward(flat, self.experts_gate, self.experts_up, self.experts_down, weights, idx, c.n_experts)
+        if c.shared_expert_d_ff:
+            _, shared = self.shared_expert(flat)
+            y = y + jax.nn.sigmoid(self.shared_expert_gate(flat)) * shared
+        return None, y.reshape(*lead, c.d_model), logits.reshape(*lead, c.n_experts)
+
+
+# --------------------------------------------------------------------------------------------
+# Decoder layer
+# --------------------------------------------------------------------------------------------
+class DecoderLayer(nn.Module):
+    """One pre-norm decoder layer, exposed as its two sub-blocks so that the slow stream
+    (`models.transformer`) and the fast stream (`m2r2.fast_stream`) wire the same weights."""
+
+    cfg: ModelConfig
+
+    def setup(self):
+        c = self.cfg
+        pd = dtype_of(c.param_dtype)
+        self.attn_norm = RMSNorm(c.rms_eps)
+        self.attn = Attention(c)
+        self.mlp_norm = RMSNorm(c.rms_eps)
+        self.mlp = MoE(c) if c.is_moe else MLP(c.d_ff, c.d_model, pd)
+
+    def norm_attn(self, x):
+        return self.attn_norm(x)
+
+    def norm_mlp(self, x):
+        return self.mlp_norm(x)
+
+    def qkv(self, xn, positions, adapters: Adapters = None, lora_scale: float = 1.0):
+        return self.attn.qkv(xn, positions, adapters, lora_scale)
+
+    def attn_out(self, a, adapters: Adapters = None, lora_scale: float = 1.0, with_lora: bool = True):
+        return self.attn.out(a, adapters, lora_scale, with_lora)
+
+    def mlp_block(self, xn, adapters: Adapters = None, lora_scale: float = 1.0, with_lora: bool = True):
+        """Returns (hidden before down_proj or None for MoE, output, router_logits or None)."""
+        res = self.mlp(xn, adapters, lora_scale, with_lora)
+        if self.cfg.is_moe:
+            return res
+        return res[0], res[1], None
+
+    def __call__(self, x, positions):
+        """Full layer without a cache (used for init)."""
+        xn = self.attn_norm(x)
+        q, k, v = self.qkv(xn, positions)
+        mask = attention_mask(positions, positions, self.cfg.sliding_window)
+        x = x + self.attn_out(attend(q, k, v, mask))
+        _, out, _ = self.mlp_block(self.mlp_norm(x))
+        return x + out
+
+
+class Embedder(nn.Module):
+    vocab_size: int
+    d_model: int
+    param_dtype: Any = jnp.float32
+
+    def setup(self):
+        self.embedding = self.param("embedding", _INIT, (self.vocab_size, self.d_model), self.param_dtype)
+
+    def encode(self, tokens):
+        return jnp.take(self.embedding, tokens, axis=0)
+
+    def decode(self, x):
+        return x @ self.embedding.T.astype(x.dtype)
+
+    def __call__(self, tokens):
+        return self.encode(tokens)

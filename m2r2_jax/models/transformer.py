@@ -1,0 +1,186 @@
+"""The base decoder (the *slow* residual stream) as pure functions over explicit pytrees.
+
+    forward(cfg, params, tokens, positions, cache) -> (logits, cache[, aux])
+
+Parameter tree (layers stacked on a leading axis of size n_layers):
+
+    {"embed": {"embedding": [V, d]},
+     "layers": DecoderLayer params with a leading [L] axis,
+     "final_norm": {"scale": [d]},
+     "lm_head": {"kernel": [d, V]}}        # absent with tied embeddings
+
+KV cache: {"k": [L, B, S, KV, hd], "v": [L, B, S, KV, hd]}. The cache is position-addressed: a
+forward writes the K/V of token (b, t) at slot positions[b, t] of every layer it runs and attends
+causally by absolute position, so rolling back is just decoding from an earlier position again
+(stale slots are overwritten before any query can see them). Positions >= S are dropped, which
+lets finished sequences of a batch idle without touching the cache.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+
+from m2r2_jax.models.config import ModelConfig
+from m2r2_jax.models.layers import DecoderLayer, Embedder, RMSNorm, attend, attention_mask, dtype_of
+
+Params = dict
+Cache = dict
+
+
+class ForwardAux(NamedTuple):
+    hidden: Optional[jax.Array]  # [L+1, B, T, d]: h_0 (embeddings) .. h_L (before the final norm)
+    router_logits: Optional[jax.Array]  # [L, B, T, E] for MoE models
+
+
+# --------------------------------------------------------------------------------------------
+# Parameters and cache
+# --------------------------------------------------------------------------------------------
+def init_params(cfg: ModelConfig, rng: jax.Array) -> Params:
+    cfg.validate()
+    pd = dtype_of(cfg.param_dtype)
+    r_embed, r_layers, r_head = jax.random.split(rng, 3)
+    tokens = jnp.zeros((1, 2), jnp.int32)
+    positions = jnp.arange(2)[None]
+    x = jnp.zeros((1, 2, cfg.d_model), dtype_of(cfg.dtype))
+    embed = Embedder(cfg.vocab_size, cfg.d_model, pd).init(r_embed, tokens)["params"]
+    layer_rngs = jax.random.split(r_layers, cfg.n_layers)
+    layers = jax.vmap(lambda r: DecoderLayer(cfg).init(r, x, positions)["params"])(layer_rngs)
+    params = {
+        "embed": embed,
+        "layers": layers,
+        "final_norm": RMSNorm(cfg.rms_eps).init(r_head, x)["params"],
+    }
+    if not cfg.tie_embeddings:
+        params["lm_head"] = {"kernel": 0.02 * jax.random.normal(r_head, (cfg.d_model, cfg.vocab_size), pd)}
+    return params
+
+
+def init_cache(cfg: ModelConfig, batch: int, max_len: Optional[int] = None, dtype: Any = None) -> Cache:
+    """Zero-filled KV cache for `batch` sequences of up to `max_len` positions."""
+    s = max_len or cfg.max_seq_len
+    shape = (cfg.n_layers, batch, s, cfg.n_kv_heads, cfg.head_dim)
+    dt = dtype or dtype_of(cfg.dtype)
+    return {"k": jnp.zeros(shape, dt), "v": jnp.zeros(shape, dt)}
+
+
+def layer_params(params: Params, layer: int) -> Params:
+    """Parameters of layer `layer` (0-based), sliced from the stacked tree."""
+    return jax.tree.map(lambda a: a[layer], params["layers"])
+
+
+def cache_write(cache: Cache, layer, positions: jax.Array, k: jax.Array, v: jax.Array) -> Cache:
+    """Write k/v [B, T, KV, hd] at slots `positions` [B, T] of `layer` (static or traced)."""
+    b = jnp.arange(k.shape[0])[:, None]
+    new_k = cache["k"].at[layer, b, positions].set(k.astype(cache["k"].dtype), mode="drop")
+    new_v = cache["v"].at[layer, b, positions].set(v.astype(cache["v"].dtype), mode="drop")
+    return {"k": new_k, "v": new_v}
+
+
+# --------------------------------------------------------------------------------------------
+# Pieces shared by the slow stream, the fast stream and the exit heads
+# --------------------------------------------------------------------------------------------
+def embed(cfg: ModelConfig, params: Params, tokens: jax.Array) -> jax.Array:
+    pd = dtype_of(cfg.param_dtype)
+    x = Embedder(cfg.vocab_size, cfg.d_model, pd).apply({"params": params["embed"]}, tokens, method="encode")
+    return x.astype(dtype_of(cfg.dtype))
+
+
+def head(cfg: ModelConfig, params: Params, h: jax.Array, norm_scale: Optional[jax.Array] = None) -> jax.Array:
+    """Final norm + LM head (the exit head). `norm_scale` optionally multiplies the frozen norm
+    weight (learned per-exit scales of the M2R2 exit heads). Logits in float32."""
+    scale = params["final_norm"]["scale"]
+    if norm_scale is not None:
+        scale = scale * norm_scale
+    hn = RMSNorm(cfg.rms_eps).apply({"params": {"scale": scale}}, h)
+    if cfg.tie_embeddings:
+        pd = dtype_of(cfg.param_dtype)
+        logits = Embedder(cfg.vocab_size, cfg.d_model, pd).apply({"params": params["embed"]}, hn, method="decode")
+    else:
+        logits = hn @ params["lm_head"]["kernel"].astype(hn.dtype)
+    return logits.astype(jnp.float32)
+
+
+def layer_forward(
+    cfg: ModelConfig,
+    lp: Params,
+    x: jax.Array,
+    positions: jax.Array,
+    cache: Optional[Cache] = None,
+    layer=None,
+):
+    """One slow-stream layer. With a cache, writes this layer's K/V and attends over the cache;
+    without, attends over the T given positions. Returns (x_out, cache, router_logits)."""
+    mod = DecoderLayer(cfg)
+    v = {"params": lp}
+    xn = mod.apply(v, x, method="norm_attn")
+    q, k, vv = mod.apply(v, xn, positions, method="qkv")
+    if cache is None:
+        mask = attention_mask(positions, positions, cfg.sliding_window)
+        a = attend(q, k, vv, mask)
+    else:
+        cache = cache_write(cache, layer, positions, k, vv)
+        s = cache["k"].shape[2]
+        k_pos = jnp.broadcast_to(jnp.arange(s)[None], (x.shape[0], s))
+        mask = attention_mask(positions, k_pos, cfg.sliding_window)
+        a = attend(q, cache["k"][layer], cache["v"][layer], mask)
+    x = x + mod.apply(v, a, method="attn_out")
+    _, out, router_logits = mod.apply(v, mod.apply(v, x, method="norm_mlp"), method="mlp_block")
+    return x + out, cache, router_logits
+
+
+def run_layers(
+    cfg: ModelConfig,
+    params: Params,
+    x: jax.Array,
+    positions: jax.Array,
+    cache: Optional[Cache] = None,
+    start: int = 0,
+    stop: Optional[int] = None,
+    collect: bool = False,
+):
+    """Run slow layers [start, stop) with `lax.scan` over the stacked weights (the cache is carried
+    and updated in place). Returns (x, cache, hidden [n, B, T, d] or None, router_logits or None)
+    where hidden[i] is the output of layer start + i."""
+    stop = cfg.n_layers if stop is None else stop
+    if stop <= start:
+        return x, cache, None, None
+    stacked = jax.tree.map(lambda a: a[start:stop], params["layers"])
+
+    def body(carry, inp):
+        h, c = carry
+        lp, idx = inp
+        h, c, rl = layer_forward(cfg, lp, h, positions, c, idx)
+        ys = (h if collect else None, rl if (collect and cfg.is_moe) else None)
+        return (h, c), ys
+
+    (x, cache), (hidden, router_logits) = jax.lax.scan(body, (x, cache), (stacked, jnp.arange(start, stop)))
+    return x, cache, hidden, router_logits
+
+
+def forward(
+    cfg: ModelConfig,
+    params: Params,
+    tokens: jax.Array,
+    positions: Optional[jax.Array] = None,
+    cache: Optional[Cache] = None,
+    *,
+    return_aux: bool = False,
+):
+    """Base-model forward. tokens, positions: int32 [B, T]. Returns (logits [B, T, V] float32,
+    cache) or, with `return_aux`, (logits, cache, ForwardAux) holding every layer's hidden state
+    and (MoE) router logits."""
+    if positions is None:
+        positions = jnp.broadcast_to(jnp.arange(tokens.shape[1])[None], tokens.shape)
+    x0 = embed(cfg, params, tokens)
+    x, cache, hidden, router_logits = run_layers(cfg, params, x0, positions, cache, collect=return_aux)
+    logits = head(cfg, params, x)
+    if not return_aux:
+        return logits, cache
+    return logits, cache, ForwardAux(jnp.concatenate([x0[None], hidden], axis=0), router_logits)
+
+
+def count_params(tree) -> int:
+    return int(sum(a.size for a in jax.tree.leaves(tree)))
