@@ -1,0 +1,305 @@
+"""The M2R2 fast residual stream.
+
+    g_0 = h_b                                       (slow layers 0..b-1 are shared and exact)
+    g_i = g_{i-1} + rho_i * D_{j_i}(g_{i-1})        i = 1..K
+
+`D_j` is base layer j's residual update computed with the frozen weights plus accelerator
+adapters; the update is applied per sub-block with its own rate vector through the fused
+residual-rate op (`m2r2_jax.kernels.residual_rate_update`):
+
+    x <- x + rho_attn * (attn_out + s * z_o B_o)     (and the next pre-norm, fused)
+    x <- x + rho_mlp  * (mlp_out  + s * z_down B_down)
+
+Shared KV cache: the fast stream owns no cache. At step i its query attends to the slow cache of
+layer j_i for earlier positions plus its own K/V for the current one:
+- *decode* mode writes the fast K/V into the slow cache at (j_i, position) -- provisional entries
+  that the slow verification pass overwrites -- and attends causally;
+- *train* mode keeps the cache (filled by the slow forward over the same tokens) untouched and
+  attends strictly before the current position plus to its own K/V.
+Both give the same result for a single new token; neither allocates KV memory of its own.
+
+The M2R2 parameters are their own pytree, stacked over the K steps:
+
+    {"adapters": {target: {"A": [K, in, R], "B": [K, R, out]}},
+     "rates": {"attn": [K, d], "mlp": [K, d]},
+     "router": ARLARouter params, "step_mlp": StepMLP params,
+     "exit_norm": {"scale": [K, d]}                     (optional)
+     "moe_lowrank": {"A": [K, d, R], "B": [K, R, d]}}   (MoE bases with moe_fast_mlp="lowrank")
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from m2r2_jax.kernels import residual_rate_update
+from m2r2_jax.m2r2.config import M2R2Config
+from m2r2_jax.m2r2.router import ARLARouter, StepMLP, step_scalars
+from m2r2_jax.models import transformer as T
+from m2r2_jax.models.config import ModelConfig
+from m2r2_jax.models.layers import DecoderLayer, attend, attention_mask, rms_norm
+
+
+class FastOutput(NamedTuple):
+    logits: jax.Array  # [B, T, V] exit head after the last fast step (float32)
+    cache: Optional[dict]
+    exit_logits: jax.Array  # [K, B, T] router logits (only the last step unless collected)
+    step_logits: Optional[jax.Array] = None  # [K, B, T, V]
+    states: Optional[jax.Array] = None  # [K, B, T, d]
+    moe_router_logits: Optional[jax.Array] = None  # [K, B, T, E]: layer j_i's router on the fast state
+
+
+# --------------------------------------------------------------------------------------------
+# Schedule and parameters
+# --------------------------------------------------------------------------------------------
+def visited_layers(base: ModelConfig, mcfg: M2R2Config) -> tuple:
+    """0-based base layer used (weights, KV slot, MoE router) by each fast step."""
+    b, k, n = mcfg.branch_layer, mcfg.steps(base), base.n_layers
+    if mcfg.schedule == "strided":
+        return tuple(min(b + mcfg.rate * (i + 1), n) - 1 for i in range(k))
+    return tuple(b + i for i in range(k))
+
+
+def layers_covered(base: ModelConfig, mcfg: M2R2Config) -> tuple:
+    """Slow layers' worth of change each fast step stands for (the rate vectors' initial value)."""
+    ends = visited_layers(base, mcfg)
+    starts = (mcfg.branch_layer - 1,) + ends[:-1]
+    return tuple(max(1, e - s) for s, e in zip(starts, ends))
+
+
+def adapter_shapes(base: ModelConfig, mcfg: M2R2Config) -> dict:
+    d, qd, kvd = base.d_model, base.n_heads * base.head_dim, base.n_kv_heads * base.head_dim
+    dims = {"q_proj": (d, qd), "k_proj": (d, kvd), "v_proj": (d, kvd), "o_proj": (qd, d),
+            "gate_proj": (d, base.d_ff), "up_proj": (d, base.d_ff), "down_proj": (base.d_ff, d)}
+    return {t: dims[t] for t in mcfg.targets(base)}
+
+
+def init_m2r2_params(base: ModelConfig, mcfg: M2R2Config, rng: jax.Array) -> dict:
+    mcfg.validate(base)
+    k, d, r = mcfg.steps(base), base.d_model, mcfg.lora_rank
+    rngs = iter(jax.random.split(rng, 16))
+    adapters = {}
+    for name, (din, dout) in adapter_shapes(base, mcfg).items():
+        # B = 0: a fresh fast stream uses the pure base weights (plus the rate extrapolation).
+        adapters[name] = {"A": jax.random.normal(next(rngs), (k, din, r)) / np.sqrt(din),
+                          "B": jnp.zeros((k, r, dout))}
+    covered = jnp.asarray(layers_covered(base, mcfg), jnp.float32)[:, None]
+    params = {
+        "adapters": adapters,
+        "rates": {"attn": jnp.broadcast_to(covered, (k, d)), "mlp": jnp.broadcast_to(covered, (k, d))},
+    }
+    g = jnp.zeros((1, 1, d))
+    sc = jnp.zeros((1, 1, 3))
+    params["router"] = ARLARouter(k, mcfg.router_dim, mcfg.router_hidden, base.rms_eps).init(next(rngs), g, sc)["params"]
+    params["step_mlp"] = StepMLP(k, mcfg.router_hidden, base.rms_eps).init(next(rngs), g, 0)["params"]
+    if mcfg.exit_norm:
+        params["exit_norm"] = {"scale": jnp.ones((k, d))}
+    if base.is_moe and mcfg.moe_fast_mlp == "lowrank":
+        rm = mcfg.moe_lowrank_dim
+        params["moe_lowrank"] = {"A": jax.random.normal(next(rngs), (k, d, rm)) / np.sqrt(d), "B": jnp.zeros((k, rm, d))}
+    return params
+
+
+def draft_cost_layers(base: ModelConfig, mcfg: M2R2Config) -> float:
+    """Cost of one fast pass in slow-layer equivalents (matmul FLOPs ~ weights touched):
+    b shared layers + K visited layers + adapters (+ the low-rank MoE MLP, minus skipped MLPs)."""
+    d = base.d_model
+    attn = d * (base.n_heads + 2 * base.n_kv_heads) * base.head_dim + base.n_heads * base.head_dim * d
+    mlp = (3 * d * base.moe_d_ff * base.n_experts_per_tok + d * base.n_experts) if base.is_moe else 3 * d * base.d_ff
+    mlp += 3 * d * base.shared_expert_d_ff
+    layer = attn + mlp
+    per_step = attn + sum(mcfg.lora_rank * (din + dout) for din, dout in adapter_shapes(base, mcfg).values())
+    if not base.is_moe or mcfg.moe_fast_mlp == "experts":
+        per_step += mlp
+    elif mcfg.moe_fast_mlp == "lowrank":
+        per_step += 2 * d * mcfg.moe_lowrank_dim + d * base.n_experts
+    return mcfg.branch_layer + mcfg.steps(base) * per_step / layer
+
+
+def _step_params(m2r2_params: dict, i):
+    keep = ("adapters", "rates", "moe_lowrank")
+    return jax.tree.map(lambda a: a[i], {k: v for k, v in m2r2_params.items() if k in keep})
+
+
+def _lora(ad: dict, name: str, x: jax.Array):
+    """(z = x A, B) of an adapter, or (None, None) when the target is not adapted."""
+    if name not in ad:
+        return None, None
+    return x @ ad[name]["A"].astype(x.dtype), ad[name]["B"]
+
+
+# --------------------------------------------------------------------------------------------
+# One fast step
+# --------------------------------------------------------------------------------------------
+def _fast_layer(base: ModelConfig, mcfg: M2R2Config, base_params, sp, j, g, positions, cache, train: bool):
+    """Apply D_j with adapters and rate vectors to g. Returns (g, cache, moe_router_logits)."""
+    lp = jax.tree.map(lambda a: a[j], base_params["layers"])
+    mod, v = DecoderLayer(base), {"params": lp}
+    ad, scale = sp["adapters"], mcfg.lora_scale
+    impl = mcfg.kernel_implementation
+
+    # attention sub-block
+    xn = mod.apply(v, g, method="norm_attn")
+    q, k, vv = mod.apply(v, xn, positions, ad, scale, method="qkv")
+    s = cache["k"].shape[2]
+    k_pos = jnp.broadcast_to(jnp.arange(s)[None], (g.shape[0], s))
+    if train:
+        mask = attention_mask(positions, k_pos, base.sliding_window, strict=True)
+        a = attend(q, cache["k"][j], cache["v"][j], mask, k, vv)
+    else:
+        cache = T.cache_write(cache, j, positions, k, vv)
+        mask = attention_mask(positions, k_pos, base.sliding_window)
+        a = attend(q, cache["k"][j], cache["v"][j], mask)
+    u = mod.apply(v, a, ad, scale, False, method="attn_out")
+    z, b_o = _lora(ad, "o_proj", a.reshape(*a.shape[:2], -1))
+    g, n = residual_rate_update(g, u, sp["rates"]["attn"], z, b_o, scale,
+                                norm_weight=lp["mlp_norm"]["scale"], eps=base.rms_eps, implementation=impl)
+
+    # MLP sub-block (n is the fused pre-norm of the new state)
+    router_logits = None
+    if not base.is_moe:
+        hidden, u, _ = mod.apply(v, n, ad, scale, False, method="mlp_block")
+        z, b_d = _lora(ad, "down_proj", hidden)
+    else:
+        z = b_d = None
+        if mcfg.moe_fast_mlp == "experts":
+            _, u, router_logits = mod.apply(v, n, method="mlp_block")
+        else:
+            router_logits = n @ lp["mlp"]["router"]["kernel"].astype(n.dtype)
+            if mcfg.moe_fast_mlp == "lowrank":
+                lr = sp["moe_lowrank"]
+                u = jax.nn.silu(n @ lr["A"].astype(n.dtype)) @ lr["B"].astype(n.dtype)
+            else:
+                u = jnp.zeros_like(g)
+    g, _ = residual_rate_update(g, u, sp["rates"]["mlp"], z, b_d, scale, implementation=impl)
+    return g, cache, router_logits
+
+
+def exit_head_logits(base: ModelConfig, mcfg: M2R2Config, base_params, m2r2_params, i, g) -> jax.Array:
+    """Frozen final norm + LM head on fast state g_i (with the step's learned norm scale)."""
+    scale = m2r2_params["exit_norm"]["scale"][i] if "exit_norm" in m2r2_params else None
+    return T.head(base, base_params, g, norm_scale=scale)
+
+
+def init_traj(base: ModelConfig, mcfg: M2R2Config, batch: int, length: int) -> dict:
+    """Router trajectory buffer: z of every step so far, plus the previous state (velocity)."""
+    return {"z": jnp.zeros((mcfg.steps(base), batch, length, mcfg.router_dim), jnp.float32)}
+
+
+def _router(base, mcfg, m2r2_params):
+    return ARLARouter(mcfg.steps(base), mcfg.router_dim, mcfg.router_hidden, base.rms_eps), {"params": m2r2_params["router"]}
+
+
+def router_project(base, mcfg, m2r2_params, i, g):
+    mod, v = _router(base, mcfg, m2r2_params)
+    return mod.apply(v, g, i, method="project")
+
+
+def router_score(base, mcfg, m2r2_params, traj_z, i, scalars):
+    mod, v = _router(base, mcfg, m2r2_params)
+    return mod.apply(v, traj_z, i, scalars, method="score")
+
+
+def step_mlp_logit(base, mcfg, m2r2_params, i, g):
+    return StepMLP(mcfg.steps(base), mcfg.router_hidden, base.rms_eps).apply({"params": m2r2_params["step_mlp"]}, g, i)
+
+
+def branch(base: ModelConfig, mcfg: M2R2Config, base_params, tokens, positions, cache):
+    """Embedding + the b shared slow layers (exact K/V). Returns (h_b, cache)."""
+    x = T.embed(base, base_params, tokens)
+    x, cache, _, _ = T.run_layers(base, base_params, x, positions, cache, 0, mcfg.branch_layer)
+    return x, cache
+
+
+def fast_step(base: ModelConfig, mcfg: M2R2Config, base_params, m2r2_params, i, g, positions, cache, traj):
+    """Decode-mode fast step i (may be traced: for `lax.while_loop` early exit).
+    Returns (g_i, cache, traj, exit_logit [B, T]) where the exit logit is the router's."""
+    j = jnp.asarray(visited_layers(base, mcfg))[i]
+    g_new, cache, _ = _fast_layer(base, mcfg, base_params, _step_params(m2r2_params, i), j, g, positions, cache, False)
+    logits = exit_head_logits(base, mcfg, base_params, m2r2_params, i, g_new)
+    z = traj["z"].at[i].set(router_project(base, mcfg, m2r2_params, i, g_new))
+    exit_logit = router_score(base, mcfg, m2r2_params, z, i, step_scalars(logits, g_new, g))
+    return g_new, cache, {"z": z}, exit_logit
+
+
+# --------------------------------------------------------------------------------------------
+# Whole fast passes
+# --------------------------------------------------------------------------------------------
+def _run_steps(base, mcfg, base_params, m2r2_params, g, positions, cache, train: bool, collect_states: bool):
+    """lax.scan over the K fast steps. Returns (g_K, cache, states or None, z [K,B,T,dim],
+    moe router logits or None, g_{K-1})."""
+    visited = jnp.asarray(visited_layers(base, mcfg))
+    steps = jnp.arange(mcfg.steps(base))
+    sps = _step_params(m2r2_params, slice(None))
+
+    def body(carry, xs):
+        g, c = carry
+        i, j, sp = xs
+        g_new, c, rl = _fast_layer(base, mcfg, base_params, sp, j, g, positions, c, train)
+        z = router_project(base, mcfg, m2r2_params, i, g_new)
+        return (g_new, c), (g_new if collect_states else None, z, rl, g)
+
+    (g, cache), (states, z, rl, prev) = jax.lax.scan(body, (g, cache), (steps, visited, sps))
+    return g, cache, states, z, rl, prev[-1]
+
+
+def fast_forward(base: ModelConfig, mcfg: M2R2Config, base_params, m2r2_params, tokens, positions, cache,
+                 *, collect: bool = False) -> FastOutput:
+    """Decode-mode fast pass over new tokens (drafting, early exit, expert prediction): shared
+    layers write exact K/V, visited layers get provisional fast K/V."""
+    k = mcfg.steps(base)
+    g0, cache = branch(base, mcfg, base_params, tokens, positions, cache)
+    g, cache, states, z, rl, g_prev = _run_steps(base, mcfg, base_params, m2r2_params, g0, positions, cache, False, collect)
+    logits = exit_head_logits(base, mcfg, base_params, m2r2_params, k - 1, g)
+    if not collect:
+        last = router_score(base, mcfg, m2r2_params, z, k - 1, step_scalars(logits, g, g_prev))
+        exit_logits = jnp.zeros((k,) + last.shape, last.dtype).at[k - 1].set(last)
+        return FastOutput(logits, cache, exit_logits, moe_router_logits=rl)
+    step_logits, exit_logits = _per_step_heads(base, mcfg, base_params, m2r2_params, g0, states, z)
+    return FastOutput(logits, cache, exit_logits, step_logits, states, rl)
+
+
+def _per_step_heads(base, mcfg, base_params, m2r2_params, g0, states, z):
+    """Exit-head logits and router logits at every step (analysis and training)."""
+    k = mcfg.steps(base)
+    prevs = jnp.concatenate([g0[None], states[:-1]], axis=0)
+
+    def one(args):
+        i, g, gp = args
+        lg = exit_head_logits(base, mcfg, base_params, m2r2_params, i, g)
+        return lg, router_score(base, mcfg, m2r2_params, z, i, step_scalars(lg, g, gp))
+
+    return jax.lax.map(one, (jnp.arange(k), states, prevs))
+
+
+class TrainForward(NamedTuple):
+    slow_logits: jax.Array  # [B, T, V]
+    slow_hidden: jax.Array  # [L+1, B, T, d]
+    states: jax.Array  # [K, B, T, d] fast states g_1..g_K
+    g0: jax.Array  # [B, T, d] = h_b
+    z: jax.Array  # [K, B, T, dim] router projections
+    moe_router_logits: Optional[jax.Array]  # [K, B, T, E]
+    slow_router_logits: Optional[jax.Array]  # [L, B, T, E]
+
+
+def train_forward(base: ModelConfig, mcfg: M2R2Config, base_params, m2r2_params, tokens, positions=None) -> TrainForward:
+    """Slow stream (frozen, stop-gradient) and fast stream over whole sequences in one pass. The
+    slow pass fills a KV cache that the fast steps read (train-mode attention)."""
+    b, t = tokens.shape
+    if positions is None:
+        positions = jnp.broadcast_to(jnp.arange(t)[None], (b, t))
+    base_params = jax.lax.stop_gradient(base_params)
+    cache = T.init_cache(base, b, t)
+    slow_logits, cache, aux = T.forward(base, base_params, tokens, positions, cache, return_aux=True)
+    slow_logits, hidden, cache = jax.lax.stop_gradient((slow_logits, aux.hidden, cache))
+    g0 = hidden[mcfg.branch_layer]
+    _, _, states, z, rl, _ = _run_steps(base, mcfg, base_params, m2r2_params, g0, positions, cache, True, True)
+    return TrainForward(slow_logits, hidden, states, g0, z, rl, aux.router_logits)
+
+
+def normalize(base: ModelConfig, x: jax.Array) -> jax.Array:
+    """Unit-scale RMSNorm (no weight): the space in which states are compared."""
+    return rms_norm(x, jnp.ones((x.shape[-1],), x.dtype), base.rms_eps)

@@ -1,0 +1,111 @@
+"""Self-distillation loss for the M2R2 parameters (method page, section 7).
+
+    L = sum_i w_i [ T^2 KL(p_slow^T || p_fast_i^T) + lambda_align (1 - cos(Norm g_i, Norm h_{j_i})) ]
+        + lambda_router [ BCE(router_i, label_i) + BCE(step_mlp_i, label_i) ]
+
+label_i = 1[argmax Head(g_i) == argmax p_slow]. The deciders see stop-gradient copies of the fast
+states, so their loss never pulls on the adapters; which subtree actually learns is decided by what
+the training loop passes as trainable (stage "stream", stage "router", or "joint").
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from m2r2_jax.errors import ConfigError
+from m2r2_jax.m2r2 import fast_stream as F
+from m2r2_jax.m2r2.config import M2R2Config
+from m2r2_jax.m2r2.router import step_scalars
+from m2r2_jax.models.config import ModelConfig
+
+STREAM_KEYS = ("adapters", "rates", "exit_norm", "moe_lowrank")
+DECIDER_KEYS = ("router", "step_mlp")
+STAGES = ("stream", "router", "joint")
+
+
+@dataclasses.dataclass(frozen=True)
+class LossConfig:
+    temperature: float = 1.0
+    lambda_align: float = 0.1
+    lambda_router: float = 1.0
+    step_weights: str = "uniform"  # uniform | increasing
+
+    def validate(self) -> "LossConfig":
+        if not self.temperature > 0:
+            raise ConfigError(f"loss.temperature={self.temperature!r} is invalid: expected > 0")
+        for name in ("lambda_align", "lambda_router"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"loss.{name}={getattr(self, name)!r} is invalid: expected >= 0")
+        if self.step_weights not in ("uniform", "increasing"):
+            raise ConfigError(f"loss.step_weights={self.step_weights!r} is invalid: expected uniform or increasing")
+        return self
+
+
+def split_params(m2r2_params: dict, stage: str) -> tuple[dict, dict]:
+    """(trainable, frozen) subtrees of the M2R2 parameters for a training stage."""
+    if stage not in STAGES:
+        raise ConfigError(f"distill.stage={stage!r} is invalid: expected one of {', '.join(STAGES)}")
+    keys = {"stream": STREAM_KEYS, "router": DECIDER_KEYS, "joint": STREAM_KEYS + DECIDER_KEYS}[stage]
+    trainable = {k: v for k, v in m2r2_params.items() if k in keys}
+    frozen = {k: v for k, v in m2r2_params.items() if k not in keys}
+    return trainable, frozen
+
+
+def _step_weights(k: int, kind: str) -> jax.Array:
+    w = jnp.ones((k,)) if kind == "uniform" else jnp.arange(1, k + 1, dtype=jnp.float32)
+    return w / jnp.sum(w)
+
+
+def _cosine(a, b):
+    a, b = a.astype(jnp.float32), b.astype(jnp.float32)
+    return jnp.sum(a * b, -1) / (jnp.linalg.norm(a, axis=-1) * jnp.linalg.norm(b, axis=-1) + 1e-6)
+
+
+def distill_loss(base: ModelConfig, mcfg: M2R2Config, lcfg: LossConfig, base_params, m2r2_params, tokens):
+    """Returns (loss, metrics). metrics hold per-step agreement/KL/alignment as [K] arrays."""
+    k = mcfg.steps(base)
+    base_params = jax.lax.stop_gradient(base_params)  # frozen: no gradient path into the base
+    tf = F.train_forward(base, mcfg, base_params, m2r2_params, tokens)
+    temp = lcfg.temperature
+    logp_slow = jax.nn.log_softmax(tf.slow_logits / temp, axis=-1)
+    p_slow = jnp.exp(logp_slow)
+    top_slow = jnp.argmax(tf.slow_logits, axis=-1)
+    targets = tf.slow_hidden[jnp.asarray(F.visited_layers(base, mcfg)) + 1]  # h_{j_i}
+    prevs = jnp.concatenate([tf.g0[None], tf.states[:-1]], axis=0)
+
+    def per_step(args):
+        i, g, gp, h = args
+        lg = F.exit_head_logits(base, mcfg, base_params, m2r2_params, i, g)
+        kl = jnp.mean(jnp.sum(p_slow * (logp_slow - jax.nn.log_softmax(lg / temp, axis=-1)), -1)) * temp**2
+        align = jnp.mean(1.0 - _cosine(F.normalize(base, g), F.normalize(base, h)))
+        label = (jnp.argmax(lg, -1) == top_slow).astype(jnp.float32)
+        scalars = jax.lax.stop_gradient(step_scalars(lg, g, gp))
+        return kl, align, label, scalars
+
+    kl, align, labels, scalars = jax.lax.map(per_step, (jnp.arange(k), tf.states, prevs, targets))
+    w = _step_weights(k, lcfg.step_weights)
+    loss = jnp.sum(w * (kl + lcfg.lambda_align * align))
+
+    # deciders, on stop-gradient states
+    states_sg = jax.lax.stop_gradient(tf.states)
+    z = jax.vmap(lambda i, g: F.router_project(base, mcfg, m2r2_params, i, g))(jnp.arange(k), states_sg)
+    router_logits = jax.vmap(lambda i, s: F.router_score(base, mcfg, m2r2_params, z, i, s))(jnp.arange(k), scalars)
+    mlp_logits = jax.vmap(lambda i, g: F.step_mlp_logit(base, mcfg, m2r2_params, i, g))(jnp.arange(k), states_sg)
+    labels = jax.lax.stop_gradient(labels)
+    bce_router = jnp.mean(optax.sigmoid_binary_cross_entropy(router_logits, labels))
+    bce_mlp = jnp.mean(optax.sigmoid_binary_cross_entropy(mlp_logits, labels))
+    loss = loss + lcfg.lambda_router * (bce_router + bce_mlp)
+    metrics = {
+        "kl": jnp.sum(w * kl),
+        "align": jnp.sum(w * align),
+        "agreement_last": jnp.mean(labels[-1]),
+        "agreement_per_step": jnp.mean(labels, axis=(1, 2)),
+        "router_bce": bce_router,
+        "router_acc": jnp.mean(((router_logits > 0) == (labels > 0.5)).astype(jnp.float32)),
+        "step_mlp_bce": bce_mlp,
+    }
+    return loss, metrics

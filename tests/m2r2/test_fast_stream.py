@@ -1,0 +1,167 @@
+"""Fast stream: schedules, shapes, train/decode equivalence, shared KV cache, frozen base."""
+
+import sys
+sys.path.insert(0, "/tmp")
+import rru_shim  # TEMP
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import tiny_config
+
+from m2r2_jax.errors import ConfigError
+from m2r2_jax.m2r2 import fast_stream as F
+from m2r2_jax.m2r2.config import M2R2Config
+from m2r2_jax.models import transformer as T
+
+
+def _setup(family="llama", n_layers=6, **m):
+    base = tiny_config(family, n_layers=n_layers)
+    bp = T.init_params(base, jax.random.key(0))
+    mcfg = M2R2Config(**{"branch_layer": 1, "rate": 2, "lora_rank": 4, "router_dim": 8, "router_hidden": 8, **m})
+    mp = F.init_m2r2_params(base, mcfg, jax.random.key(1))
+    # non-zero adapters so that they matter in every test
+    mp["adapters"] = jax.tree.map(lambda a: a + 0.05 * jax.random.normal(jax.random.key(2), a.shape), mp["adapters"])
+    return base, bp, mcfg, mp
+
+
+def test_schedules():
+    base = tiny_config("llama", n_layers=8)
+    assert F.visited_layers(base, M2R2Config(branch_layer=2, rate=2)) == (3, 5, 7)
+    assert F.layers_covered(base, M2R2Config(branch_layer=2, rate=2)) == (2, 2, 2)
+    # last step covers the remainder
+    assert F.visited_layers(base, M2R2Config(branch_layer=1, rate=3)) == (3, 6, 7)
+    assert F.layers_covered(base, M2R2Config(branch_layer=1, rate=3)) == (3, 3, 1)
+    assert F.visited_layers(base, M2R2Config(branch_layer=5, schedule="consecutive")) == (5, 6, 7)
+    assert F.layers_covered(base, M2R2Config(branch_layer=5, schedule="consecutive")) == (1, 1, 1)
+
+
+@pytest.mark.parametrize("bad, field", [
+    (dict(branch_layer=8), "branch_layer"), (dict(branch_layer=-1), "branch_layer"), (dict(rate=1), "rate"),
+    (dict(lora_rank=0), "lora_rank"), (dict(schedule="fast"), "schedule"), (dict(n_steps=2, rate=2), "n_steps"),
+    (dict(lora_targets=("q_proj", "w9")), "lora_targets"), (dict(moe_fast_mlp="x"), "moe_fast_mlp"),
+])
+def test_config_validation_names_field(bad, field):
+    base = tiny_config("llama", n_layers=8)
+    with pytest.raises(ConfigError, match=f"m2r2.{field}="):
+        M2R2Config(**bad).validate(base)
+
+
+def test_rates_initialised_to_layers_covered():
+    base, _, mcfg, mp = _setup()
+    np.testing.assert_array_equal(mp["rates"]["attn"][:, 0], np.asarray(F.layers_covered(base, mcfg), np.float32))
+    assert all(float(jnp.abs(a["B"]).max()) > 0 for a in mp["adapters"].values())
+    fresh = F.init_m2r2_params(base, mcfg, jax.random.key(3))
+    assert all(float(jnp.abs(a["B"]).max()) == 0 for a in fresh["adapters"].values())
+
+
+@pytest.mark.parametrize("family, schedule", [
+    ("llama", "strided"), ("llama", "consecutive"), ("mixtral", "strided"), ("qwen2_moe", "consecutive")])
+def test_train_mode_equals_decode_mode(family, schedule):
+    """The fast state at position t is the same whether computed over a whole sequence (train
+    mode, context from the slow pass) or token by token against the slow KV cache (decode mode)."""
+    base, bp, mcfg, mp = _setup(family, schedule=schedule)
+    k = mcfg.steps(base)
+    toks = jax.random.randint(jax.random.key(4), (2, 7), 0, base.vocab_size)
+    tf = F.train_forward(base, mcfg, bp, mp, toks)
+    assert tf.states.shape == (k, 2, 7, base.d_model)
+    cache = T.init_cache(base, 2, 16)
+    _, cache = T.forward(base, bp, toks[:, :6], jnp.broadcast_to(jnp.arange(6), (2, 6)), cache)
+    out = F.fast_forward(base, mcfg, bp, mp, toks[:, 6:], jnp.full((2, 1), 6), cache, collect=True)
+    np.testing.assert_allclose(out.states[:, :, 0], tf.states[:, :, 6], atol=2e-5)
+    assert out.logits.shape == (2, 1, base.vocab_size) and out.exit_logits.shape == (k, 2, 1)
+    assert out.step_logits.shape == (k, 2, 1, base.vocab_size)
+    if base.is_moe:
+        assert out.moe_router_logits.shape == (k, 2, 1, base.n_experts)
+    # non-collecting pass agrees on the last step
+    out2 = F.fast_forward(base, mcfg, bp, mp, toks[:, 6:], jnp.full((2, 1), 6), cache)
+    np.testing.assert_allclose(out2.logits, out.logits, atol=1e-5)
+    np.testing.assert_allclose(out2.exit_logits[-1], out.exit_logits[-1], atol=1e-5)
+
+
+def test_fast_step_loop_equals_scan():
+    base, bp, mcfg, mp = _setup()
+    toks = jax.random.randint(jax.random.key(5), (1, 5), 0, base.vocab_size)
+    cache = T.init_cache(base, 1, 8)
+    _, cache = T.forward(base, bp, toks[:, :4], jnp.arange(4)[None], cache)
+    pos = jnp.full((1, 1), 4)
+    ref = F.fast_forward(base, mcfg, bp, mp, toks[:, 4:], pos, cache, collect=True)
+    g, c = F.branch(base, mcfg, bp, toks[:, 4:], pos, cache)
+    traj = F.init_traj(base, mcfg, 1, 1)
+    step = jax.jit(lambda i, g, c, traj: F.fast_step(base, mcfg, bp, mp, i, g, pos, c, traj))
+    for i in range(mcfg.steps(base)):
+        g, c, traj, el = step(jnp.int32(i), g, c, traj)
+        np.testing.assert_allclose(g, ref.states[i], atol=1e-5)
+        np.testing.assert_allclose(el, ref.exit_logits[i], atol=1e-4)
+    np.testing.assert_array_equal(c["k"], ref.cache["k"])
+
+
+def test_shared_kv_cache_writes_only_visited_layers():
+    """Shared layers get exact K/V, visited layers provisional fast K/V, the rest is untouched;
+    a slow pass over the same position overwrites every provisional entry."""
+    base, bp, mcfg, mp = _setup(n_layers=8, branch_layer=2, rate=2)
+    toks = jax.random.randint(jax.random.key(6), (1, 4), 0, base.vocab_size)
+    cache = T.init_cache(base, 1, 8)
+    _, cache = T.forward(base, bp, toks[:, :3], jnp.arange(3)[None], cache)
+    pos = jnp.full((1, 1), 3)
+    out = F.fast_forward(base, mcfg, bp, mp, toks[:, 3:], pos, cache)
+    _, slow_cache = T.forward(base, bp, toks[:, 3:], pos, cache)
+    written = np.asarray(jnp.abs(out.cache["k"][:, 0, 3]).sum(axis=(-1, -2)) > 0)
+    visited = set(F.visited_layers(base, mcfg))
+    expected = [l < 2 or l in visited for l in range(8)]
+    assert written.tolist() == expected
+    # exact where shared, different (provisional) where visited
+    np.testing.assert_array_equal(out.cache["k"][:2, 0, 3], slow_cache["k"][:2, 0, 3])
+    assert not np.allclose(out.cache["k"][3, 0, 3], slow_cache["k"][3, 0, 3])
+    # earlier positions untouched
+    np.testing.assert_array_equal(out.cache["k"][:, :, :3], cache["k"][:, :, :3])
+    _, verified = T.forward(base, bp, toks[:, 3:], pos, out.cache)
+    np.testing.assert_array_equal(verified["k"], slow_cache["k"])
+
+
+def test_zero_extra_kv_memory():
+    """The fast pass returns the very cache it was given (same tree, shapes, dtypes: no second
+    cache), and compiled with the cache donated it needs no more scratch memory than one plain
+    decode step of the base model."""
+    base, bp, mcfg, mp = _setup(n_layers=6)
+    cache = T.init_cache(base, 2, 64)
+    toks = jnp.zeros((2, 1), jnp.int32)
+    pos = jnp.full((2, 1), 5)
+    out = F.fast_forward(base, mcfg, bp, mp, toks, pos, cache)
+    assert jax.tree.structure(out.cache) == jax.tree.structure(cache)
+    assert jax.tree.map(lambda a: (a.shape, a.dtype), out.cache) == jax.tree.map(lambda a: (a.shape, a.dtype), cache)
+
+    fast = jax.jit(lambda c: F.fast_forward(base, mcfg, bp, mp, toks, pos, c).cache, donate_argnums=0)
+    slow = jax.jit(lambda c: T.forward(base, bp, toks, pos, c)[1], donate_argnums=0)
+    mf = fast.lower(cache).compile().memory_analysis()
+    ms = slow.lower(cache).compile().memory_analysis()
+    cache_bytes = sum(a.nbytes for a in jax.tree.leaves(cache))
+    assert cache_bytes <= mf.output_size_in_bytes <= cache_bytes + 64  # + tuple bookkeeping
+    assert mf.output_size_in_bytes == ms.output_size_in_bytes
+    layer_cache = cache_bytes // base.n_layers
+    assert mf.temp_size_in_bytes <= ms.temp_size_in_bytes + layer_cache // 4, (mf.temp_size_in_bytes, ms.temp_size_in_bytes)
+
+
+@pytest.mark.parametrize("family", ["llama", "mixtral"])
+def test_distill_gradients_reach_only_m2r2_params(family):
+    from m2r2_jax.m2r2 import losses as L
+
+    base, bp, mcfg, mp = _setup(family)
+    toks = jax.random.randint(jax.random.key(7), (2, 8), 0, base.vocab_size)
+    lc = L.LossConfig()
+    grads = jax.grad(lambda p: L.distill_loss(base, mcfg, lc, bp, p, toks)[0])(mp)
+    norms = {k: float(sum(jnp.sum(x * x) for x in jax.tree.leaves(v))) for k, v in grads.items()}
+    for key in ("adapters", "rates", "router", "step_mlp", "exit_norm"):
+        assert norms[key] > 0, key
+    gb = jax.grad(lambda b: L.distill_loss(base, mcfg, lc, b, mp, toks)[0])(bp)
+    assert all(float(jnp.abs(x).max()) == 0 for x in jax.tree.leaves(gb))
+
+
+@pytest.mark.parametrize("fast_mlp", ["lowrank", "none"])
+def test_moe_fast_mlp_options(fast_mlp):
+    base, bp, mcfg, mp = _setup("mixtral", moe_fast_mlp=fast_mlp)
+    assert ("moe_lowrank" in mp) == (fast_mlp == "lowrank")
+    toks = jax.random.randint(jax.random.key(8), (1, 5), 0, base.vocab_size)
+    tf = F.train_forward(base, mcfg, bp, mp, toks)
+    assert tf.moe_router_logits.shape == (mcfg.steps(base), 1, 5, base.n_experts)
+    assert F.draft_cost_layers(base, mcfg) < F.draft_cost_layers(base, M2R2Config(**{**mcfg.to_dict(), "moe_fast_mlp": "experts"}))
