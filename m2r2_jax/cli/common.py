@@ -43,3 +43,21 @@ def _parse_flags(argv):
         fail(str(e))
     except Exception as e:  # config files that fail to load/override (ml_collections raises assorted types)
         fail(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+
+
+def loaded_config(flag_values, name: str = "config"):
+    """A config_flags value, with a failure to load the file turned into one clear line."""
+    from pathlib import Path
+
+    from ml_collections import config_flags
+
+    from m2r2_jax.errors import ConfigError
+
+    path = config_flags.get_config_filename(flag_values[name])
+    if not Path(path).is_file():
+        raise ConfigError(f"config file {path} does not exist")
+    try:
+        return getattr(flag_values, name)
+    except Exception as e:  # ml_collections re-raises the file's own error (any type) on access
+        lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+        raise ConfigError(f"cannot load config file {path}: {lines[-1] if lines else type(e).__name__}") from None

@@ -1,8 +1,5 @@
 """Fast stream: schedules, shapes, train/decode equivalence, shared KV cache, frozen base."""
 
-import sys
-sys.path.insert(0, "/tmp")
-import rru_shim  # TEMP
 import jax
 import jax.numpy as jnp
 import numpy as np

@@ -1,0 +1,184 @@
+"""Training the M2R2 parameters by self-distillation from the frozen base (what `m2r2 distill` runs).
+
+    summary = distill(cfg, workdir)
+
+Config (an ml_collections ConfigDict, see `configs/m2r2/`):
+
+    base_checkpoint   model directory of the frozen base (`m2r2 pretrain` / `m2r2 convert` output)
+    m2r2              fields of `M2R2Config`
+    loss              fields of `LossConfig`
+    schedule          "two_stage" (default: stream, then router on the frozen stream) | "joint"
+    train             the stream (or joint) stage: `m2r2_jax.training.config.train_section()`
+    router_train      the router stage (same fields; used with "two_stage")
+    data              corpus section (tokenizer "" = the base checkpoint's tokenizer)
+
+Workdir layout: `stream/` and `router/` (train checkpoints + TensorBoard, one per stage, each
+resumable), `m2r2/` (the final M2R2 checkpoint, tied to the base's fingerprint), `distill_summary.json`.
+The base parameters are an argument of every step and never an optimiser input: they stay
+bit-identical (`base_fingerprint_after` in the summary repeats the check on the weights).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+
+from m2r2_jax.data.pipeline import lm_pipeline
+from m2r2_jax.data.tokenizer import load_tokenizer
+from m2r2_jax.errors import CheckpointError, ConfigError
+from m2r2_jax.m2r2 import losses as L
+from m2r2_jax.m2r2.checkpoint import save_m2r2
+from m2r2_jax.m2r2.config import M2R2Config
+from m2r2_jax.m2r2.fast_stream import init_m2r2_params
+from m2r2_jax.models.checkpoint import load_model, params_fingerprint, tokenizer_path
+from m2r2_jax.training.config import data_section, train_section, validate_data, validate_train
+from m2r2_jax.training.loop import train
+
+SCHEDULES = ("two_stage", "joint")
+M2R2_DIR = "m2r2"
+
+
+def m2r2_section(**overrides) -> ml_collections.ConfigDict:
+    d = M2R2Config().to_dict()
+    d.update(overrides)
+    return ml_collections.ConfigDict(d)
+
+
+def distill_config() -> ml_collections.ConfigDict:
+    cfg = ml_collections.ConfigDict()
+    cfg.base_checkpoint = ""
+    cfg.m2r2 = m2r2_section()
+    cfg.loss = ml_collections.ConfigDict(dataclasses.asdict(L.LossConfig()))
+    cfg.schedule = "two_stage"
+    cfg.seed = 0
+    cfg.train = train_section()
+    cfg.train.update(dict(steps=300, learning_rate=2e-3, warmup_steps=20, weight_decay=0.0, checkpoint_every=100))
+    cfg.router_train = train_section()
+    cfg.router_train.update(dict(steps=100, learning_rate=3e-3, warmup_steps=10, weight_decay=0.0, checkpoint_every=100))
+    cfg.data = data_section()
+    return cfg
+
+
+def m2r2_config_from(section) -> M2R2Config:
+    d = section.to_dict() if hasattr(section, "to_dict") else dict(section)
+    return M2R2Config.from_dict(d)
+
+
+def validate_distill(cfg, base_cfg=None) -> tuple:
+    """Returns (M2R2Config, LossConfig) after checking every section."""
+    if cfg.schedule not in SCHEDULES:
+        raise ConfigError(f"schedule={cfg.schedule!r} is invalid: expected one of {', '.join(SCHEDULES)}")
+    try:
+        mcfg = m2r2_config_from(cfg.m2r2)
+        lcfg = L.LossConfig(**cfg.loss.to_dict()).validate()
+    except TypeError as e:
+        raise ConfigError(f"bad m2r2/loss section: {e}") from None
+    if base_cfg is not None:
+        mcfg.validate(base_cfg)
+    validate_train(cfg.train)
+    if cfg.schedule == "two_stage":
+        validate_train(cfg.router_train)
+    validate_data(cfg.data)
+    return mcfg, lcfg
+
+
+def _loss_fn(base_cfg, mcfg, lcfg, seq_len):
+    def loss_fn(trainable, frozen, batch, rng):
+        del rng
+        base_params, rest = frozen
+        loss, metrics = L.distill_loss(base_cfg, mcfg, lcfg, base_params, {**rest, **trainable}, batch[:, :seq_len])
+        metrics = dict(metrics)
+        per_step = metrics.pop("agreement_per_step")
+        for i in range(per_step.shape[0]):
+            metrics[f"agreement_step{i + 1}"] = per_step[i]
+        return loss, metrics
+
+    return loss_fn
+
+
+def _stage(tcfg, workdir, base_cfg, mcfg, lcfg, base_params, m2r2_params, stage, data_iter, seq_len, seed, prefix):
+    trainable, rest = L.split_params(m2r2_params, stage)
+    result = train(tcfg, workdir, trainable, (base_params, rest), _loss_fn(base_cfg, mcfg, lcfg, seq_len), data_iter,
+                   rng=jax.random.key(seed), metrics_prefix=prefix,
+                   tokens_per_batch=lambda b: int(np.prod(np.shape(b)[:1])) * seq_len)
+    return {**rest, **jax.device_get(result.trainable)}, result
+
+
+def _summarize(result) -> dict:
+    hist = result.history
+    out = {"step": result.step, "preempted": result.preempted, "skipped": result.skipped}
+    if hist:
+        out["first_loss"] = hist[0]["loss"]
+        out["last_loss"] = float(np.mean([h["loss"] for h in hist[-10:]]))
+        keys = sorted(k for k in hist[-1] if k.startswith("agreement_step"))
+        out["agreement_per_step"] = [float(np.mean([h[k] for h in hist[-10:]])) for k in
+                                     sorted(keys, key=lambda s: int(s.removeprefix("agreement_step")))]
+        if "router_acc" in hist[-1]:
+            out["router_acc"] = float(np.mean([h["router_acc"] for h in hist[-10:]]))
+    return out
+
+
+def distill(cfg, workdir) -> dict:
+    workdir = Path(workdir).absolute()
+    if not cfg.base_checkpoint:
+        raise ConfigError("base_checkpoint='' is invalid: expected the base model directory (--config.base_checkpoint=DIR)")
+    if not Path(cfg.base_checkpoint).is_dir():
+        raise CheckpointError(f"base checkpoint {cfg.base_checkpoint} does not exist")
+    base_cfg, base_params = load_model(cfg.base_checkpoint)
+    mcfg, lcfg = validate_distill(cfg, base_cfg)
+    fingerprint = params_fingerprint(base_cfg, base_params)
+    tok_file = cfg.data.tokenizer or tokenizer_path(cfg.base_checkpoint)
+    if not tok_file:
+        raise CheckpointError(f"{cfg.base_checkpoint} has no tokenizer; set --config.data.tokenizer=PATH")
+    tok = load_tokenizer(tok_file)
+    seq_len = cfg.data.seq_len
+    if seq_len > base_cfg.max_seq_len:
+        raise ConfigError(f"data.seq_len={seq_len} is invalid: the base model's max_seq_len is {base_cfg.max_seq_len}")
+    workdir.mkdir(parents=True, exist_ok=True)
+    (workdir / "config.json").write_text(cfg.to_json())
+
+    m2r2_params = init_m2r2_params(base_cfg, mcfg, jax.random.key(cfg.seed))
+    summary = {"base_checkpoint": str(Path(cfg.base_checkpoint).absolute()), "base_fingerprint": fingerprint,
+               "m2r2": mcfg.to_dict(), "schedule": cfg.schedule}
+    first = "joint" if cfg.schedule == "joint" else "stream"
+    data_iter, _ = lm_pipeline(cfg.data, tok, cfg.train.batch_size, cfg.data.seed)
+    m2r2_params, res = _stage(cfg.train, workdir / "stream", base_cfg, mcfg, lcfg, base_params, m2r2_params, first,
+                              data_iter, seq_len, cfg.seed, f"distill_{first}")
+    summary[first] = _summarize(res)
+    if res.preempted:
+        summary["preempted"] = True
+        return summary
+    if cfg.schedule == "two_stage":
+        data_iter, _ = lm_pipeline(cfg.data, tok, cfg.router_train.batch_size, cfg.data.seed + 1)
+        m2r2_params, res = _stage(cfg.router_train, workdir / "router", base_cfg, mcfg, lcfg, base_params, m2r2_params,
+                                  "router", data_iter, seq_len, cfg.seed + 1, "distill_router")
+        summary["router"] = _summarize(res)
+        if res.preempted:
+            summary["preempted"] = True
+            return summary
+    after = params_fingerprint(base_cfg, base_params)
+    if after != fingerprint:  # the base is an argument, never an optimiser input: this must hold
+        raise CheckpointError("the base parameters changed during distillation")
+    summary["base_fingerprint_after"] = after
+    out = save_m2r2(workdir / M2R2_DIR, mcfg, m2r2_params, base_cfg, fingerprint)
+    summary["m2r2_checkpoint"] = str(out)
+    summary["preempted"] = False
+    (workdir / "distill_summary.json").write_text(json.dumps(summary, indent=2))
+    return summary
+
+
+def heldout_batches(tok, seq_len: int, batch_size: int, max_batches: int, text: str):
+    """Packed held-out token batches [B, seq_len] for analysis."""
+    from m2r2_jax.data.pipeline import pack, tokenize_documents
+
+    examples = pack(tokenize_documents(tok, [text]), seq_len)[:, :seq_len]
+    n = min(max_batches, len(examples) // batch_size)
+    if n == 0:
+        raise ConfigError(f"held-out text too small for one batch of {batch_size} x {seq_len} tokens")
+    return [jnp.asarray(examples[i * batch_size:(i + 1) * batch_size]) for i in range(n)]
