@@ -1,0 +1,202 @@
+"""Public op: the fused residual-rate update with a custom VJP and an `implementation=` switch.
+
+    y, n = residual_rate_update(x, u, rho, z, B, scale, norm_weight, eps, implementation)
+    y = x + rho * (u + scale * (z @ B));   n = RMSNorm(y) * norm_weight (or None)
+
+Implementations:
+  "xla"        the pure-XLA reference (plain autodiff); the fast path on CPU.
+  "pallas"     the Pallas kernel of the current platform (Mosaic TPU or Mosaic GPU); raises ConfigError
+               where no kernel exists (CPU) or the kernel cannot take the shape.
+  "interpret"  the TPU kernel body run by Pallas' interpreter (any platform; slow, for tests).
+  "auto"       the kernel on TPU/GPU when it can take the shape, else XLA (with a warning on TPU/GPU;
+               silently on CPU, where XLA is the intended path).
+
+Kernel paths run the forward pass as one pallas_call; the backward pass is plain XLA (a few fused
+elementwise loops, two thin matmuls and row reductions), so every path is reverse-differentiable and
+works under jit, vmap and grad. `scale` and `eps` are static Python numbers.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import warnings
+from typing import Optional, Tuple
+
+import jax
+import jax.numpy as jnp
+
+from m2r2_jax.errors import ConfigError
+
+from . import pallas_gpu, pallas_tpu
+from .reference import F32, low_rank_term, residual_rate_update_reference
+
+Array = jax.Array
+IMPLEMENTATIONS = ("auto", "xla", "pallas", "interpret")
+
+
+class KernelFallbackWarning(UserWarning):
+    """`implementation="auto"` wanted a kernel but used the XLA reference (the message says why)."""
+
+
+def _static_number(name: str, value) -> float:
+    try:
+        return float(value)
+    except (TypeError, jax.errors.ConcretizationTypeError):
+        raise ValueError(f"residual_rate_update: {name} must be a static Python number, "
+                         f"got {type(value).__name__}") from None
+
+
+def _check_args(x, u, rho, z, B, norm_weight) -> None:
+    def fail(msg):
+        raise ValueError(f"residual_rate_update: {msg}")
+
+    if x.ndim < 1:
+        fail(f"x must have a feature axis, got shape {x.shape}")
+    d = x.shape[-1]
+    for name, a in (("x", x), ("u", u), ("rho", rho), ("z", z), ("B", B), ("norm_weight", norm_weight)):
+        if a is not None and not jnp.issubdtype(a.dtype, jnp.floating):
+            fail(f"{name} must be floating point, got {a.dtype}")
+    if u.shape != x.shape:
+        fail(f"u has shape {u.shape}, expected x's shape {x.shape}")
+    if rho.shape != (d,):
+        fail(f"rho has shape {rho.shape}, expected ({d},)")
+    if norm_weight is not None and norm_weight.shape != (d,):
+        fail(f"norm_weight has shape {norm_weight.shape}, expected ({d},)")
+    if (z is None) != (B is None):
+        fail("z and B must be given together (or both None)")
+    if z is not None:
+        if z.shape[:-1] != x.shape[:-1] or z.ndim != x.ndim:
+            fail(f"z has shape {z.shape}, expected {x.shape[:-1]} + (R,)")
+        if B.shape != (z.shape[-1], d):
+            fail(f"B has shape {B.shape}, expected ({z.shape[-1]}, {d})")
+
+
+def _platform() -> str:
+    """'tpu', 'gpu' or 'cpu': the platform this computation will be placed on by default."""
+    return jax.default_backend()
+
+
+def select_backend(implementation: str, n_rows: int, d: int, rank: int, dtype, has_norm: bool,
+                   block_rows: Optional[int] = None) -> Tuple[str, Optional[int]]:
+    """Which backend runs this call and with how many rows per block: ("xla"|"tpu"|"gpu"|"interpret", rows)."""
+    if implementation not in IMPLEMENTATIONS:
+        raise ConfigError(f"residual_rate_update: implementation={implementation!r}; "
+                          f"allowed: {', '.join(IMPLEMENTATIONS)}")
+    if implementation == "xla" or n_rows == 0:
+        return "xla", None
+    if implementation == "interpret":
+        backend = "interpret"
+    else:
+        platform = _platform()
+        backend = {"tpu": "tpu", "gpu": "gpu"}.get(platform)
+        if backend is None:
+            if implementation == "pallas":
+                raise ConfigError(f"residual_rate_update: implementation='pallas' needs a TPU or GPU, but JAX runs on "
+                                  f"{platform}; use 'auto' or 'xla' (or 'interpret' for testing)")
+            return "xla", None
+    if block_rows is not None and block_rows < 1:
+        raise ValueError(f"residual_rate_update: block_rows must be positive, got {block_rows}")
+    chooser = pallas_gpu.choose_block_rows if backend == "gpu" else pallas_tpu.choose_block_rows
+    rows = block_rows if block_rows is not None else chooser(n_rows, d, rank, dtype, has_norm)
+    why = None
+    if rows is None:
+        why = (f"no row block of d={d}, rank={rank}, dtype={jnp.dtype(dtype).name} fits the {backend} "
+               "kernel's on-chip memory")
+    elif backend == "gpu":
+        why = pallas_gpu.unsupported_reason(n_rows, d, rank, dtype, rows)
+    elif backend == "tpu" and rows < n_rows and rows % pallas_tpu.sublane_multiple(dtype):
+        why = f"block_rows={rows} is not a multiple of the TPU tile's {pallas_tpu.sublane_multiple(dtype)} rows"
+    if why is not None:
+        if implementation == "auto":
+            warnings.warn(f"residual_rate_update: using the XLA reference: {why}", KernelFallbackWarning, stacklevel=3)
+            return "xla", None
+        raise ConfigError(f"residual_rate_update: implementation={implementation!r} cannot run: {why}")
+    return backend, rows
+
+
+def _forward_kernel(backend: str, block_rows: int, scale: float, eps: float, x, u, rho, z, B, w):
+    kw = dict(scale=scale, eps=eps, block_rows=block_rows)
+    if backend == "gpu":
+        return pallas_gpu.fused_update(x, u, rho, z, B, w, **kw)
+    return pallas_tpu.fused_update(x, u, rho, z, B, w, interpret=(backend == "interpret"), **kw)
+
+
+def _backward(scale: float, eps: float, residuals, cotangents):
+    """Gradients of the update in f32 XLA; inputs are [T, d] / [T, R] row matrices.
+
+    With delta = u + s*(z@B), y = x + rho*delta and n = w * yhat, yhat = y * r, r = rsqrt(mean(y^2)+eps):
+      g = dy + r * (dn*w - yhat * mean(dn*w*yhat))     (total gradient at y)
+      dx = g, du = rho*g, drho = sum_rows(g*delta), dz = s*(rho*g) @ B^T, dB = s * z^T @ (rho*g),
+      dw = sum_rows(dn * yhat).
+    """
+    y, u, rho, z, B, w = residuals
+    dy, dn = cotangents
+    g = dy.astype(F32)
+    dw = None
+    if w is not None:
+        y32 = y.astype(F32)
+        r = jax.lax.rsqrt(jnp.mean(y32 * y32, axis=-1, keepdims=True) + eps)
+        yhat = y32 * r
+        dn32 = dn.astype(F32)
+        dw = jnp.sum(dn32 * yhat.astype(y.dtype).astype(F32), axis=0).astype(w.dtype)
+        gh = dn32 * w.astype(F32)
+        g = g + r * (gh - yhat * jnp.mean(gh * yhat, axis=-1, keepdims=True))
+    delta = u.astype(F32)
+    if z is not None:
+        delta = delta + scale * low_rank_term(z, B)
+    grho_in = g * rho.astype(F32)  # gradient w.r.t. delta
+    drho = jnp.sum(g * delta, axis=0).astype(rho.dtype)
+    dz = dB = None
+    if z is not None:
+        hi = jax.lax.Precision.HIGHEST
+        dz = (scale * jnp.dot(grho_in, B.astype(F32).T, precision=hi)).astype(z.dtype)
+        dB = (scale * jnp.dot(z.astype(F32).T, grho_in, precision=hi)).astype(B.dtype)
+    return g.astype(residuals[0].dtype), grho_in.astype(u.dtype), drho, dz, dB, dw
+
+
+@functools.lru_cache(maxsize=None)
+def _kernel_op(backend: str, block_rows: int, scale: float, eps: float):
+    """A custom_vjp function (x, u, rho, z, B, w) -> (y, n) for one static configuration."""
+
+    @jax.custom_vjp
+    def op(x, u, rho, z, B, w):
+        return _forward_kernel(backend, block_rows, scale, eps, x, u, rho, z, B, w)
+
+    def fwd(x, u, rho, z, B, w):
+        y, n = _forward_kernel(backend, block_rows, scale, eps, x, u, rho, z, B, w)
+        return (y, n), (y, u, rho, z, B, w)
+
+    def bwd(residuals, cotangents):
+        dx, du, drho, dz, dB, dw = _backward(scale, eps, residuals, cotangents)
+        return dx, du, drho, dz, dB, dw
+
+    op.defvjp(fwd, bwd)
+    return op
+
+
+def residual_rate_update(x: Array, u: Array, rho: Array, z: Optional[Array] = None, B: Optional[Array] = None,
+                         scale: float = 1.0, norm_weight: Optional[Array] = None, eps: float = 1e-6,
+                         implementation: str = "auto",
+                         block_rows: Optional[int] = None) -> Tuple[Array, Optional[Array]]:
+    """Fused `y = x + rho * (u + scale * (z @ B))` and `n = RMSNorm(y) * norm_weight`.
+
+    x, u: [..., d]; z: [..., R] and B: [R, d] (both None for no low-rank term); rho, norm_weight: [d].
+    Inputs may be bf16 or f32; the math accumulates in f32; y and n come back in x's dtype (n is None
+    without norm_weight). `block_rows` overrides the kernel's rows per grid step (tests, tuning).
+    """
+    _check_args(x, u, rho, z, B, norm_weight)
+    scale = _static_number("scale", scale)
+    eps = _static_number("eps", eps)
+    if z is not None and z.shape[-1] == 0:
+        z = B = None  # rank 0: no low-rank term
+    d = x.shape[-1]
+    lead = x.shape[:-1]
+    n_rows = math.prod(lead)
+    rank = 0 if z is None else z.shape[-1]
+    backend, rows = select_backend(implementation, n_rows, d, rank, x.dtype, norm_weight is not None, block_rows)
+    if backend == "xla":
+        return residual_rate_update_reference(x, u, rho, z, B, scale, norm_weight, eps)
+    flat = lambda a, w: None if a is None else a.reshape(n_rows, w)  # noqa: E731
+    y, n = _kernel_op(backend, rows, scale, eps)(flat(x, d), flat(u, d), rho, flat(z, rank), B, norm_weight)
+    return y.reshape(x.shape), (None if n is None else n.reshape(x.shape))
