@@ -1,0 +1,42 @@
+"""`m2r2 export --checkpoint CKPT_DIR --out HF_DIR [--max_shard_size 5GB] [--force]`
+
+Exports a model checkpoint as a Hugging Face directory that transformers loads: config.json and
+safetensors in the hub layout (sharded with model.safetensors.index.json above --max_shard_size),
+plus the checkpoint's tokenizer file when it has one.
+"""
+
+from __future__ import annotations
+
+from absl import flags
+
+flags.DEFINE_string("checkpoint", None, "model checkpoint directory")
+flags.DEFINE_string("out", None, "Hugging Face directory to write")
+flags.DEFINE_string("max_shard_size", "5GB", "largest safetensors shard, e.g. 500MB, 5GB, 2GiB")
+flags.DEFINE_bool("force", False, "replace --out if it exists")
+flags.mark_flags_as_required(["checkpoint", "out"])
+FLAGS = flags.FLAGS
+
+
+def main(argv):
+    from m2r2_jax.errors import CheckpointError
+
+    try:
+        return _main(argv)
+    except OSError as e:  # unreadable/unwritable paths, full disks: one line, not a traceback
+        where = f"{e.filename}: " if e.filename else ""
+        raise CheckpointError(f"{where}{e.strerror or e}") from None
+
+
+def _main(argv):
+    from m2r2_jax.errors import ConfigError
+
+    if len(argv) > 1:
+        raise ConfigError(f"unexpected arguments {argv[1:]}; pass options as --flags")
+    from absl import logging
+
+    from m2r2_jax.interop.convert import export_hf
+
+    if not FLAGS["verbosity"].present:
+        logging.set_verbosity(logging.WARNING)  # orbax logs every step of a restore at INFO
+    out = export_hf(FLAGS.checkpoint, FLAGS.out, max_shard_size=FLAGS.max_shard_size, overwrite=FLAGS.force)
+    print(f"wrote {out}")
