@@ -1,0 +1,82 @@
+"""Slot bookkeeping of one layer's device expert cache, and the eviction policies.
+
+The same `SlotTable` drives the real offload engine (`engine.py`) and the trace-replay simulator
+(`simulator.py`), so a policy behaves identically in both. A table knows which expert sits in each
+slot, when each slot was last used (for LRU) and, for the prediction-aware policy, which experts the
+current token's predictor says this layer will need.
+
+Policies (chosen by name):
+  lru         evict the least recently used unprotected slot.
+  predictive  never evict an expert the current prediction for this layer names while another
+              slot will do; among the rest, least recently used. A prefetch of a predicted expert
+              therefore cannot push out another predicted one, and the prediction keeps useful
+              experts resident across tokens.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Optional
+
+from m2r2_jax.errors import ConfigError
+
+POLICIES = ("lru", "predictive")
+EMPTY = -1
+
+
+def check_policy(name: str) -> str:
+    if name not in POLICIES:
+        raise ConfigError(f"cache policy {name!r} is invalid: expected one of {', '.join(POLICIES)}")
+    return name
+
+
+class SlotTable:
+    """Which expert occupies each of `capacity` slots of one layer, with recency and predictions."""
+
+    def __init__(self, capacity: int, policy: str = "lru"):
+        if capacity <= 0:
+            raise ConfigError(f"cache capacity={capacity} is invalid: expected a positive number of expert slots")
+        self.capacity = capacity
+        self.policy = check_policy(policy)
+        self.expert = [EMPTY] * capacity
+        self.last_use = [-1.0] * capacity
+        self.predicted: frozenset = frozenset()
+        self._clock = 0
+
+    # -- queries ---------------------------------------------------------------------------
+    def slot_of(self, e: int) -> Optional[int]:
+        try:
+            return self.expert.index(e)
+        except ValueError:
+            return None
+
+    def resident(self) -> set:
+        return {e for e in self.expert if e != EMPTY}
+
+    # -- updates ---------------------------------------------------------------------------
+    def tick(self) -> int:
+        self._clock += 1
+        return self._clock
+
+    def touch(self, slot: int) -> None:
+        self.last_use[slot] = self.tick()
+
+    def set_prediction(self, experts: Iterable[int]) -> None:
+        self.predicted = frozenset(int(e) for e in experts)
+
+    def victim(self, protect: Iterable[int] = ()) -> Optional[int]:
+        """Slot to overwrite, or None when every slot holds a protected expert."""
+        protect = set(protect)
+        free = [s for s, e in enumerate(self.expert) if e == EMPTY]
+        if free:
+            return free[0]
+        candidates = [s for s, e in enumerate(self.expert) if e not in protect]
+        if not candidates:
+            return None
+        if self.policy == "predictive":
+            unpredicted = [s for s in candidates if self.expert[s] not in self.predicted]
+            candidates = unpredicted or candidates
+        return min(candidates, key=lambda s: self.last_use[s])
+
+    def install(self, slot: int, e: int) -> None:
+        self.expert[slot] = int(e)
+        self.touch(slot)

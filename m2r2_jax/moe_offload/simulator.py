@@ -1,0 +1,295 @@
+"""Trace replay through a discrete-event model of one transfer link and a sequential compute unit.
+
+Model (per decoded token, ops in schedule order; see `trace.py` for the op keys):
+
+* Compute runs one op at a time. An ("moe", l) op may start only when every expert the slow stream
+  routed to at layer l is in layer l's device cache *and has arrived*; the wait is stall time.
+* The link carries one expert at a time; a transfer takes latency + bytes / bandwidth. Blocking
+  loads (misses) are served before queued prefetches (`demand_priority`, default; off = first
+  come first served), and a queued prefetch whose slot is reused before it starts is cancelled.
+* Before each op, the predictor's guesses whose issue key is that op are prefetched (top
+  `prefetch_k` experts; victims chosen by the layer's `SlotTable` policy, the layer's guess
+  protected). A demand for an expert that is neither resident nor in flight is a miss: it is
+  issued at the demand time and blocks.
+* Predictors that run the fast stream pay its ops (K fast attention sub-blocks + their MLPs). With
+  moe_fast_mlp == "experts" the fast MLP at step i demands its own top-k at layer j_i: those loads
+  block the fast pass and are the prefetch (charged in bytes and time).
+* The makespan is max(end of the last op, end of the last transfer).
+
+Analytic anchors (tested): all resident -> total = compute; no reuse and no prediction -> total =
+compute + misses x transfer time; always max(compute, transfers) <= total <= compute + transfers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+from m2r2_jax.errors import ConfigError
+from m2r2_jax.moe_offload.platforms import CostModel
+from m2r2_jax.moe_offload.policies import SlotTable, check_policy
+from m2r2_jax.moe_offload.trace import RoutingTrace
+
+
+@dataclasses.dataclass
+class SimResult:
+    predictor: str
+    policy: str
+    capacity: int
+    total_s: float
+    compute_s: float
+    stall_s: float
+    transfers: int
+    bytes_moved: int
+    demand_hits: int
+    demand_misses: int
+    late_hits: int  # resident-or-in-flight at demand time but not yet arrived
+    prefetches: int
+    useful_prefetches: int
+    fast_loads: int
+    tokens: int
+    cancelled: int = 0  # queued prefetches dropped because their slot was reused first
+
+    @property
+    def hit_rate(self) -> float:
+        d = self.demand_hits + self.demand_misses
+        return self.demand_hits / d if d else 1.0
+
+    @property
+    def s_per_token(self) -> float:
+        return self.total_s / max(self.tokens, 1)
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d.update(hit_rate=self.hit_rate, s_per_token=self.s_per_token)
+        return d
+
+
+def token_schedule(trace: RoutingTrace, predictor: str) -> list:
+    """Op keys of one token for `predictor` (the fast pass sits before slow layer b)."""
+    ops = []
+    for l in range(trace.n_layers):
+        if trace.uses_fast.get(predictor, False) and l == trace.branch_layer:
+            for i in range(len(trace.visited)):
+                ops += [("fast_attn", i), ("fast_mlp", i)]
+        ops += [("attn", l), ("moe", l)]
+    return ops
+
+
+def _op_time(key, costs: CostModel) -> float:
+    return {"attn": costs.attn_s, "moe": costs.moe_s, "fast_attn": costs.fast_attn_s,
+            "fast_mlp": costs.fast_mlp_s}[key[0]]
+
+
+class Link:
+    """One transfer link serving one expert at a time.
+
+    Transfers are (re)laid out in service order each time one is added: a started transfer cannot
+    move; queued ones can. With `demand_priority`, a blocking load (a miss, or a demand on an
+    expert still queued) goes ahead of queued prefetches; a queued prefetch whose slot was
+    overwritten before it started is cancelled (it moves no bytes)."""
+
+    def __init__(self, transfer_s: float, demand_priority: bool, on_ready):
+        self.transfer_s = transfer_s
+        self.demand_priority = demand_priority
+        self.on_ready = on_ready  # callback(layer, slot, gen, ready_time)
+        self.pending: list = []  # not started at the last layout, in service order
+        self.committed_end = 0.0  # end of the last transfer that has started
+        self.committed = 0
+        self.cancelled = 0
+
+    def _commit(self, now: float, live) -> None:
+        while self.pending and self.pending[0]["start"] <= now:
+            x = self.pending.pop(0)
+            self.committed_end = x["end"]
+            self.committed += 1
+        keep = [x for x in self.pending if live(x)]
+        self.cancelled += len(self.pending) - len(keep)
+        self.pending = keep
+
+    def _layout(self, now: float) -> None:
+        free = max(now, self.committed_end)
+        for x in self.pending:
+            x["start"] = max(free, x["issue"])
+            x["end"] = free = x["start"] + self.transfer_s
+            self.on_ready(x["layer"], x["slot"], x["gen"], x["end"])
+
+    def add(self, now: float, layer: int, slot: int, gen: int, blocking: bool, live) -> None:
+        self._commit(now, live)
+        x = {"issue": now, "layer": layer, "slot": slot, "gen": gen}
+        if blocking and self.demand_priority:
+            n_first = 0
+            while n_first < len(self.pending) and self.pending[n_first].get("blocking"):
+                n_first += 1  # behind earlier blocking loads, ahead of every queued prefetch
+            x["blocking"] = True
+            self.pending.insert(n_first, x)
+        else:
+            x["blocking"] = blocking
+            self.pending.append(x)
+        self._layout(now)
+
+    def promote(self, now: float, layer: int, slot: int, gen: int, live) -> None:
+        """A demand found its expert still queued: serve it before the remaining prefetches."""
+        if not self.demand_priority:
+            return
+        self._commit(now, live)
+        for i, x in enumerate(self.pending):
+            if x["layer"] == layer and x["slot"] == slot and x["gen"] == gen and not x.get("blocking"):
+                self.pending.pop(i)
+                n_first = 0
+                while n_first < len(self.pending) and self.pending[n_first].get("blocking"):
+                    n_first += 1
+                x["blocking"] = True
+                self.pending.insert(n_first, x)
+                self._layout(now)
+                return
+
+    def finish(self) -> float:
+        self.committed += len(self.pending)
+        if self.pending:
+            self.committed_end = self.pending[-1]["end"]
+        self.pending = []
+        return self.committed_end
+
+
+def simulate(
+    trace: RoutingTrace,
+    predictor: str,
+    costs: CostModel,
+    capacity: int,
+    policy: str = "lru",
+    prefetch_k: Optional[int] = None,
+    all_resident: bool = False,
+    demand_priority: bool = True,
+) -> SimResult:
+    """Replay `trace` with `predictor`'s guesses (use "none" for on-demand loading)."""
+    check_policy(policy)
+    if predictor != "none" and predictor not in trace.rankings:
+        raise ConfigError(f"predictor {predictor!r} is not in the trace: it has {', '.join(trace.rankings)}")
+    if capacity < trace.top_k and not all_resident:
+        raise ConfigError(f"cache capacity={capacity} is invalid: a layer needs at least top_k={trace.top_k} slots")
+    prefetch_k = trace.top_k if prefetch_k is None else prefetch_k
+    L = trace.n_layers
+    use_fast = trace.uses_fast.get(predictor, False)
+    schedule = token_schedule(trace, predictor if not all_resident else "none")
+    # guesses issued before each op: op key -> layers
+    issued_at: dict = {}
+    if predictor != "none" and not all_resident:
+        for layer, key in enumerate(trace.issue[predictor]):
+            if key is not None:
+                issued_at.setdefault(tuple(key), []).append(layer)
+
+    tables = [SlotTable(capacity, policy) for _ in range(L)]
+    ready = [[0.0] * capacity for _ in range(L)]
+    gen = [[0] * capacity for _ in range(L)]  # bumped whenever a slot gets a new expert
+    prefetched = [[False] * capacity for _ in range(L)]
+    t = 0.0
+    res = SimResult(predictor if not all_resident else "all_resident", policy, capacity,
+                    0.0, 0.0, 0.0, 0, 0, 0, 0, 0, 0, 0, 0, trace.n_tokens)
+
+    def on_ready(layer, slot, g, when):
+        if gen[layer][slot] == g:
+            ready[layer][slot] = when
+
+    def live(x):
+        return gen[x["layer"]][x["slot"]] == x["gen"]
+
+    link = Link(costs.transfer_s, demand_priority, on_ready)
+
+    def install(layer: int, slot: int, e: int, now: float, blocking: bool) -> None:
+        tables[layer].install(slot, e)
+        gen[layer][slot] += 1
+        link.add(now, layer, slot, gen[layer][slot], blocking, live)
+
+    def demand(layer: int, experts, now: float, slow: bool) -> float:
+        """Make `experts` resident at `layer`; return when the last one has arrived."""
+        tab = tables[layer]
+        need = [int(e) for e in experts]
+        slots = []
+        for e in need:
+            s = tab.slot_of(e)
+            if s is None:
+                s = tab.victim(protect=need)
+                install(layer, s, e, now, blocking=True)
+                prefetched[layer][s] = False
+                if slow:
+                    res.demand_misses += 1
+                else:
+                    res.fast_loads += 1
+            else:
+                tab.touch(s)
+                if ready[layer][s] > now:
+                    link.promote(now, layer, s, gen[layer][s], live)
+                if slow:
+                    res.demand_hits += 1
+                    res.late_hits += ready[layer][s] > now
+                    res.useful_prefetches += prefetched[layer][s]
+                    prefetched[layer][s] = False
+            slots.append(s)
+        return max([now] + [ready[layer][s] for s in slots])
+
+    def prefetch(layer: int, guess, now: float) -> None:
+        tab = tables[layer]
+        tab.set_prediction(guess)
+        for e in guess:
+            s = tab.slot_of(e)
+            if s is not None:
+                tab.touch(s)
+                continue
+            s = tab.victim(protect=guess)
+            if s is None:
+                continue
+            install(layer, s, e, now, blocking=False)
+            prefetched[layer][s] = True
+            res.prefetches += 1
+
+    for n in range(trace.n_tokens):
+        true_n = trace.true[n]
+        rank_n = trace.rankings[predictor][n] if (predictor != "none" and not all_resident) else None
+        for key in schedule:
+            for layer in issued_at.get(key, ()):
+                guess = [int(e) for e in rank_n[layer][:prefetch_k] if e >= 0]
+                if guess:
+                    prefetch(layer, guess, t)
+            dur = _op_time(key, costs)
+            start = t
+            if key[0] == "moe" and not all_resident:
+                start = demand(key[1], true_n[key[1]], t, slow=True)
+            elif key[0] == "moe":
+                res.demand_hits += len(true_n[key[1]])
+            elif key[0] == "fast_mlp" and use_fast and trace.moe_fast_mlp == "experts":
+                start = demand(trace.visited[key[1]], trace.fast_routes[n, key[1]], t, slow=False)
+            res.stall_s += start - t
+            res.compute_s += dur
+            t = start + dur
+    link_end = link.finish()
+    res.transfers = link.committed
+    res.bytes_moved = link.committed * costs.expert_bytes
+    res.cancelled = link.cancelled
+    res.total_s = max(t, link_end)
+    return res
+
+
+def sweep(trace: RoutingTrace, predictors, costs_by_bw: dict, capacities, policy_for: dict) -> list:
+    """Every (predictor, link bandwidth, capacity) cell; `costs_by_bw` maps GB/s -> CostModel."""
+    rows = []
+    for bw, costs in costs_by_bw.items():
+        for cap in capacities:
+            for p in predictors:
+                r = simulate(trace, p, costs, cap, policy_for.get(p, "lru"))
+                rows.append(dict(r.to_dict(), link_gbps=bw, rho=costs.rho))
+            r = simulate(trace, "none", costs, cap, all_resident=True)
+            rows.append(dict(r.to_dict(), link_gbps=bw, rho=costs.rho))
+    return rows
+
+
+def transfer_bound(res: SimResult, costs: CostModel) -> float:
+    return res.transfers * costs.transfer_s
+
+
+def check_bounds(res: SimResult, costs: CostModel, tol: float = 1e-9) -> bool:
+    lo = max(res.compute_s, transfer_bound(res, costs))
+    hi = res.compute_s + transfer_bound(res, costs)
+    return lo - tol <= res.total_s <= hi + tol
+
+

@@ -1,0 +1,91 @@
+"""A routing trace: what the slow stream routed to and what each predictor said, per decoded token.
+
+Recorded from real decoding (`record.py`), replayed by the simulator (`simulator.py`) and scored for
+recall (`metrics.py`). Batch 1: every row is one decoded token of one prompt.
+
+Issue points. A predictor's guess for layer l becomes available at a fixed point of the token's
+schedule, the *issue key*: the op before which the prefetch is started. Ops are
+
+    ("attn", l)    slow layer l's attention sub-block and router (0-based l)
+    ("moe", l)     slow layer l's routed experts: the demand point
+    ("fast_attn", i), ("fast_mlp", i)   fast step i (only for predictors that run the fast stream),
+                   placed between slow layer b-1 and slow layer b.
+
+The *lead* of a guess is how many layer boundaries lie between its issue point and the demand:
+issuing before ("attn", m) gives lead l - m + 1 for layer l (next-gate at lookahead a has lead a;
+a fast-stream guess issued before slow layer b has lead l - b + 1).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import numpy as np
+
+from m2r2_jax.errors import DataError
+
+OpKey = tuple
+NO_PREDICTION = -1
+
+
+@dataclasses.dataclass
+class RoutingTrace:
+    n_layers: int
+    n_experts: int
+    top_k: int
+    true: np.ndarray  # [N, L, k] experts the slow stream routed each token to
+    rankings: dict  # predictor name -> [N, L, E] experts ranked best-first (-1 rows: no guess)
+    issue: dict  # predictor name -> per layer OpKey or None (static over tokens)
+    uses_fast: dict  # predictor name -> whether its schedule includes the fast pass
+    branch_layer: int = 0
+    visited: tuple = ()  # 0-based layer of each fast step
+    moe_fast_mlp: str = "none"
+    fast_routes: Optional[np.ndarray] = None  # [N, K, k] the fast stream's own top-k at visited layers
+    notes: dict = dataclasses.field(default_factory=dict)
+
+    @property
+    def n_tokens(self) -> int:
+        return int(self.true.shape[0])
+
+    @property
+    def predictors(self) -> tuple:
+        return tuple(self.rankings)
+
+    def lead(self, name: str) -> np.ndarray:
+        """[L] lead in layers of each layer's guess (-1 where the predictor makes none)."""
+        out = np.full(self.n_layers, NO_PREDICTION, np.int64)
+        for layer, key in enumerate(self.issue[name]):
+            if key is None:
+                continue
+            out[layer] = layer - issue_layer(key, self.branch_layer) + 1
+        return out
+
+    def validate(self) -> "RoutingTrace":
+        n, L, k = self.true.shape
+        if L != self.n_layers or k != self.top_k:
+            raise DataError(f"trace: true routing has shape {self.true.shape}, expected [N, {self.n_layers}, {self.top_k}]")
+        for name, r in self.rankings.items():
+            if r.shape != (n, L, self.n_experts):
+                raise DataError(f"trace: ranking of {name!r} has shape {r.shape}, expected {(n, L, self.n_experts)}")
+            if len(self.issue[name]) != L:
+                raise DataError(f"trace: issue points of {name!r} must list {L} layers")
+        if self.fast_routes is not None and self.fast_routes.shape[:2] != (n, len(self.visited)):
+            raise DataError(f"trace: fast_routes has shape {self.fast_routes.shape}, expected [N, {len(self.visited)}, k]")
+        return self
+
+
+def issue_layer(key: OpKey, branch_layer: int) -> int:
+    """The slow-layer boundary an issue key sits at (fast ops sit just before slow layer b)."""
+    kind = key[0]
+    if kind in ("attn", "moe"):
+        return int(key[1])
+    if kind in ("fast_attn", "fast_mlp"):
+        return branch_layer
+    raise ValueError(f"unknown op key {key!r}")
+
+
+def next_gate_issue(n_layers: int, lookahead: int) -> list:
+    """Layer l's guess from h_{l-a+1}, the output of layer l-a (h_0 = the embeddings): issued
+    before slow layer l-a+1's attention."""
+    return [("attn", l - lookahead + 1) if l - lookahead + 1 >= 0 else None for l in range(n_layers)]
