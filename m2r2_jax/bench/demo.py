@@ -1,0 +1,255 @@
+"""The main job: the whole M2R2 story on the embedded default (what `make demo` runs).
+
+1. train a sentencepiece tokenizer and pre-train the tiny dense base, the tiny MoE base and the
+   small two-model draft model on the embedded corpus;
+2. distill the M2R2 parameters (adapters + rates, then the router) for the dense and MoE bases;
+3. measure side by side and write OUT/report.json, OUT/*.png and print one table:
+   alignment, speculative decoding (batch 1 and a batch sweep), early exit, MoE AoT loading.
+
+Trained artifacts live in OUT/artifacts/<name>-<hash of their config>/ and are reused by a rerun
+(unless `force`); a stage interrupted half-way resumes from its training checkpoints.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import platform
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+
+from m2r2_jax.bench import report as R
+from m2r2_jax.bench import speculative as S
+from m2r2_jax.data.corpus import embedded_split
+from m2r2_jax.data.tokenizer import load_tokenizer
+from m2r2_jax.errors import ConfigError
+from m2r2_jax.m2r2 import analysis
+from m2r2_jax.m2r2.checkpoint import load_m2r2
+from m2r2_jax.m2r2.distill import distill, distill_config, heldout_batches
+from m2r2_jax.models.checkpoint import load_model, params_fingerprint
+from m2r2_jax.training.config import load_config_file
+from m2r2_jax.training.pretrain import pretrain
+
+CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
+
+
+@dataclasses.dataclass(frozen=True)
+class Budget:
+    """Step counts and measurement sizes of one demo budget."""
+
+    dense_steps: int
+    moe_steps: int
+    draft_steps: int
+    distill_steps: int
+    router_steps: int
+    moe_distill_steps: int
+    batch_size: int
+    seq_len: int
+    n_prompts: int
+    prompt_len: int
+    max_new_tokens: int
+    batch_sizes: tuple
+    repeats: int
+    thresholds: tuple
+    align_batches: int
+    moe_prompts: int
+
+
+BUDGETS = {
+    # ~15 minutes on 2 CPU cores
+    "full": Budget(dense_steps=240, moe_steps=120, draft_steps=120, distill_steps=150, router_steps=60,
+                   moe_distill_steps=60, batch_size=16, seq_len=128, n_prompts=8, prompt_len=32,
+                   max_new_tokens=48, batch_sizes=(1, 4, 16), repeats=3, thresholds=(0.5, 0.7, 0.8, 0.9, 0.95),
+                   align_batches=4, moe_prompts=4),
+    # ~3 minutes: the same pipeline, smaller everything
+    "tiny": Budget(dense_steps=30, moe_steps=15, draft_steps=15, distill_steps=20, router_steps=10,
+                   moe_distill_steps=10, batch_size=8, seq_len=64, n_prompts=3, prompt_len=16,
+                   max_new_tokens=16, batch_sizes=(1, 4), repeats=1, thresholds=(0.5, 0.9),
+                   align_batches=1, moe_prompts=2),
+}
+
+
+def _say(msg: str) -> None:
+    print(f"[demo] {msg}", file=sys.stderr, flush=True)
+
+
+def _hash(obj) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:12]
+
+
+def _artifact(root: Path, name: str, cfg_json: dict, build, force: bool) -> Path:
+    """Run `build(workdir)` once per config; reuse its result (marked by DONE) afterwards."""
+    key = f"{name}-{_hash(cfg_json)}"
+    workdir = root / key
+    done = workdir / "DONE"
+    if done.is_file() and not force:
+        _say(f"{name}: reusing {workdir}")
+        return workdir
+    if force and workdir.exists():
+        shutil.rmtree(workdir)
+    t0 = time.time()
+    build(workdir)
+    done.write_text(json.dumps({"seconds": time.time() - t0}))
+    return workdir
+
+
+def _pretrain_cfg(name: str, steps: int, budget: Budget, tokenizer: str = ""):
+    cfg = load_config_file(CONFIG_DIR / "models" / f"{name}.py")
+    cfg.train.update(dict(steps=steps, warmup_steps=max(1, min(cfg.train.warmup_steps, steps // 10)),
+                          checkpoint_every=max(10, steps // 2), batch_size=budget.batch_size))
+    cfg.data.update(dict(seq_len=budget.seq_len, tokenizer=tokenizer))
+    return cfg
+
+
+def _distill_cfg(name: str, base_dir: Path, steps: int, router_steps: int, budget: Budget):
+    cfg = load_config_file(CONFIG_DIR / "m2r2" / f"{name}.py")
+    cfg.base_checkpoint = str(base_dir)
+    cfg.train.update(dict(steps=steps, warmup_steps=max(1, steps // 10), checkpoint_every=max(10, steps // 2),
+                          batch_size=budget.batch_size))
+    cfg.router_train.update(dict(steps=router_steps, warmup_steps=max(1, router_steps // 10),
+                                 checkpoint_every=max(10, router_steps // 2), batch_size=budget.batch_size))
+    cfg.data.update(dict(seq_len=budget.seq_len))
+    return cfg
+
+
+def heldout_prompts(tok, n: int, length: int) -> list:
+    """n prompts of `length` tokens from evenly spaced places of the held-out split."""
+    ids = tok.encode(embedded_split("heldout"))
+    if len(ids) < n * length:
+        raise ConfigError(f"held-out split too small for {n} prompts of {length} tokens")
+    stride = len(ids) // n
+    return [ids[i * stride:i * stride + length] for i in range(n)]
+
+
+def _write_json(path: Path, obj) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+    with os.fdopen(fd, "w") as f:
+        json.dump(obj, f, indent=2)
+    os.replace(tmp, path)
+
+
+def run_demo(out, budget_name: str = "full", force: bool = False, skip_moe: bool = False) -> dict:
+    if budget_name not in BUDGETS:
+        raise ConfigError(f"--budget={budget_name!r} is invalid: expected one of {', '.join(BUDGETS)}")
+    budget = BUDGETS[budget_name]
+    out = Path(out).absolute()
+    arts = out / "artifacts"
+    arts.mkdir(parents=True, exist_ok=True)
+    timings = {}
+    t_start = time.time()
+
+    # 1. base models ---------------------------------------------------------------------
+    t0 = time.time()
+    dense_cfg = _pretrain_cfg("tiny_dense", budget.dense_steps, budget)
+    dense_dir = _artifact(arts, "dense", dense_cfg.to_dict(), lambda wd: pretrain(dense_cfg, wd), force)
+    tok_file = str(dense_dir / "model" / "tokenizer" / "tokenizer.model")
+    draft_cfg = _pretrain_cfg("tiny_draft", budget.draft_steps, budget, tok_file)
+    draft_dir = _artifact(arts, "draft", draft_cfg.to_dict(), lambda wd: pretrain(draft_cfg, wd), force)
+    if not skip_moe:
+        moe_cfg = _pretrain_cfg("tiny_moe", budget.moe_steps, budget, tok_file)
+        moe_dir = _artifact(arts, "moe", moe_cfg.to_dict(), lambda wd: pretrain(moe_cfg, wd), force)
+    timings["pretrain_s"] = time.time() - t0
+
+    # 2. M2R2 distillation ----------------------------------------------------------------
+    t0 = time.time()
+    dcfg = _distill_cfg("tiny_dense", dense_dir / "model", budget.distill_steps, budget.router_steps, budget)
+    m2r2_dir = _artifact(arts, "m2r2_dense", {**dcfg.to_dict(), "base": _read_fp(dense_dir)},
+                         lambda wd: distill(dcfg, wd), force)
+    if not skip_moe:
+        mdcfg = _distill_cfg("tiny_moe", moe_dir / "model", budget.moe_distill_steps, budget.router_steps, budget)
+        m2r2_moe_dir = _artifact(arts, "m2r2_moe", {**mdcfg.to_dict(), "base": _read_fp(moe_dir)},
+                                 lambda wd: distill(mdcfg, wd), force)
+    timings["distill_s"] = time.time() - t0
+
+    # 3. measurements ---------------------------------------------------------------------
+    base_cfg, base_params = load_model(dense_dir / "model")
+    fp = params_fingerprint(base_cfg, base_params)
+    mcfg, m2r2_params = load_m2r2(m2r2_dir / "m2r2", base_cfg, fp)
+    draft = load_model(draft_dir / "model")
+    tok = load_tokenizer(tok_file)
+    report = {"budget": budget_name, "device": _device(), "budget_settings": dataclasses.asdict(budget),
+              "models": _models(base_cfg, base_params, mcfg, draft, dense_dir, m2r2_dir, draft_dir)}
+
+    t0 = time.time()
+    _say("alignment (slow vs fast stream against compute)")
+    batches = heldout_batches(tok, budget.seq_len, budget.batch_size, budget.align_batches, embedded_split("heldout"))
+    align = analysis.alignment(base_cfg, mcfg, base_params, m2r2_params, batches)
+    align["fast_beats_slow_at_equal_compute"] = analysis.fast_beats_slow(align)
+    report["alignment"] = align
+    timings["alignment_s"] = time.time() - t0
+
+    t0 = time.time()
+    prompts = heldout_prompts(tok, budget.n_prompts, budget.prompt_len)
+    spec = S.compare_methods(base_cfg, base_params, prompts, max_new_tokens=budget.max_new_tokens,
+                             gamma=4, m2r2=(mcfg, m2r2_params), draft=draft, batch_sizes=budget.batch_sizes,
+                             repeats=budget.repeats, progress=_say)
+    report["speculative"] = spec
+    timings["speculative_s"] = time.time() - t0
+
+    t0 = time.time()
+    ar_ref = ([r for r in _ar_tokens(spec)], spec["ar"]["tokens_per_s"])
+    report["early_exit"] = S.early_exit_sweep(base_cfg, base_params, prompts, max_new_tokens=budget.max_new_tokens,
+                                              thresholds=budget.thresholds, m2r2=(mcfg, m2r2_params),
+                                              repeats=budget.repeats, ar_reference=ar_ref, progress=_say)
+    timings["early_exit_s"] = time.time() - t0
+
+    if not skip_moe:
+        t0 = time.time()
+        _say("MoE ahead-of-time expert loading")
+        from m2r2_jax.moe_offload.report import moe_report, write_plots
+
+        moe_cfg_, moe_params = load_model(moe_dir / "model")
+        mm_cfg, mm_params = load_m2r2(m2r2_moe_dir / "m2r2", moe_cfg_, params_fingerprint(moe_cfg_, moe_params))
+        moe = moe_report(moe_cfg_, moe_params, mm_cfg, mm_params, prompts[: budget.moe_prompts],
+                         max_new_tokens=budget.max_new_tokens)
+        report["moe"] = moe
+        write_plots(moe, out)
+        timings["moe_s"] = time.time() - t0
+
+    timings["total_s"] = time.time() - t_start
+    report["timings"] = timings
+    report["targets"] = R.targets(report)
+    _write_json(out / "report.json", report)
+    R.write_plots(report, out)
+    print(R.table(report))
+    return report
+
+
+def _ar_tokens(spec) -> list:
+    return spec["ar"]["answers"]
+
+
+def _read_fp(model_workdir: Path) -> str:
+    return json.loads((model_workdir / "model" / "fingerprint.json").read_text())["fingerprint"]
+
+
+def _device() -> dict:
+    d = jax.devices()[0]
+    return {"platform": d.platform, "device_kind": d.device_kind, "count": jax.device_count(),
+            "cpu_count": os.cpu_count(), "machine": platform.machine(), "jax": jax.__version__}
+
+
+def _models(base_cfg, base_params, mcfg, draft, dense_dir, m2r2_dir, draft_dir) -> dict:
+    from m2r2_jax.m2r2.fast_stream import draft_cost_layers, visited_layers
+    from m2r2_jax.models.transformer import count_params
+
+    def summary(path):
+        p = path / "pretrain_summary.json"
+        return json.loads(p.read_text()) if p.is_file() else {}
+
+    dsum = m2r2_dir / "distill_summary.json"
+    return {
+        "base": {"config": base_cfg.to_dict(), "params": count_params(base_params), "pretrain": summary(dense_dir)},
+        "m2r2": {"config": mcfg.to_dict(), "visited_layers": [j + 1 for j in visited_layers(base_cfg, mcfg)],
+                 "draft_cost_layers": draft_cost_layers(base_cfg, mcfg),
+                 "distill": json.loads(dsum.read_text()) if dsum.is_file() else {}},
+        "draft": {"config": draft[0].to_dict(), "params": count_params(draft[1]), "pretrain": summary(draft_dir)},
+    }

@@ -1,0 +1,144 @@
+"""report.json helpers: the printed table, the targets check and the plots."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+SPEC_ORDER = ("ar", "m2r2_spec", "distance_spec", "two_model")
+
+
+def targets(report: dict) -> dict:
+    """The main job's benchmark targets, each with the measured value (not a test: a record)."""
+    out = {}
+    spec = report.get("speculative", {})
+    m, d = spec.get("m2r2_spec"), spec.get("distance_spec")
+    if m:
+        out["m2r2_spec_speedup_ge_1.5"] = {"value": m["speedup_vs_ar"], "met": m["speedup_vs_ar"] >= 1.5}
+        out["m2r2_spec_efficiency_ge_0.85"] = {"value": m["efficiency"], "met": m["efficiency"] >= 0.85}
+        out["m2r2_spec_identical_to_ar"] = {"value": m["identical_to_ar"], "met": bool(m["identical_to_ar"])}
+    if m and d:
+        out["m2r2_above_distance_accepted"] = {"value": [m["mean_accepted_tokens"], d["mean_accepted_tokens"]],
+                                               "met": m["mean_accepted_tokens"] > d["mean_accepted_tokens"]}
+        out["m2r2_above_distance_speedup"] = {"value": [m["speedup_vs_ar"], d["speedup_vs_ar"]],
+                                              "met": m["speedup_vs_ar"] > d["speedup_vs_ar"]}
+    al = report.get("alignment")
+    if al:
+        beats = al.get("fast_beats_slow_at_equal_compute", [])
+        out["fast_above_slow_at_equal_compute"] = {"value": beats, "met": bool(beats) and all(beats)}
+    return out
+
+
+def table(report: dict) -> str:
+    lines = []
+    spec = report.get("speculative", {})
+    if spec:
+        hdr = f"{'method':<14}{'tok/s':>9}{'speedup':>9}{'accepted':>10}{'ideal':>8}{'effic.':>8}{'same':>6}"
+        sweep_sizes = [b["batch_size"] for b in spec["ar"]["batch_sweep"]]
+        hdr += "".join(f"{'x@b' + str(b):>8}" for b in sweep_sizes)
+        lines += ["speculative decoding (greedy, batch 1; batch sweep: speedup vs ar)", hdr, "-" * len(hdr)]
+        for m in SPEC_ORDER:
+            if m not in spec:
+                continue
+            r = spec[m]
+            ideal = r.get("ideal_speedup", 1.0)
+            row = (f"{m:<14}{r['tokens_per_s']:>9.1f}{r['speedup_vs_ar']:>9.2f}{r['mean_accepted_tokens']:>10.2f}"
+                   f"{ideal:>8.2f}{r['efficiency']:>8.2f}{('yes' if r['identical_to_ar'] else 'NO') if m != 'ar' else '-':>6}")
+            row += "".join(f"{b['speedup_vs_ar']:>8.2f}" for b in r["batch_sweep"])
+            lines.append(row)
+        for m in SPEC_ORDER[1:]:
+            if m in spec and "costs" in spec[m]:
+                c = spec[m]["costs"]
+                lines.append(f"  {m}: draft {spec[m]['draft_cost_layers']:.1f} layer-eq/token "
+                             f"(measured {c['draft_cost_per_token']:.2f} ar-steps), verify {c['verify_cost_ratio']:.2f} ar-steps")
+    al = report.get("alignment")
+    if al:
+        lines += ["", "alignment: top-1 agreement with the final output at compute (layers)"]
+        lines.append("  slow: " + " ".join(f"{c:.0f}:{a:.2f}" for c, a in zip(al["slow_cost"], al["slow_agreement"])))
+        lines.append("  fast: " + " ".join(f"{c:.1f}:{a:.2f}" for c, a in zip(al["fast_cost"], al["fast_agreement"])))
+    ee = report.get("early_exit")
+    if ee:
+        lines += ["", "early exit (quality vs the full model's greedy output)"]
+        for m, rows in ee.items():
+            for r in rows:
+                lines.append(f"  {m:<14} tau={r['threshold']:<5} speedup {r['speedup']:.2f}  ROUGE-L {r['rouge_l']:.3f}"
+                             f"  agreement {r['agreement']:.3f}  layers/token {r['layers_per_token']:.1f}")
+    moe = report.get("moe")
+    if moe:
+        lines += ["", "MoE ahead-of-time loading: recall / hit rate per predictor"]
+        for p, v in moe.get("recall", {}).items():
+            hr = moe.get("hit_rate", {}).get(p)
+            lines.append(f"  {p:<12} recall {v if isinstance(v, str) else f'{v:.3f}'}"
+                         + (f"  hit rate {hr:.3f}" if isinstance(hr, float) else ""))
+    t = report.get("targets")
+    if t:
+        lines += ["", "targets: " + ", ".join(f"{k}={'met' if v['met'] else 'MISSED'}" for k, v in t.items())]
+    tm = report.get("timings")
+    if tm:
+        lines.append("time: " + ", ".join(f"{k}={v:.0f}s" for k, v in tm.items()))
+    return "\n".join(lines)
+
+
+def write_plots(report: dict, out) -> list:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from m2r2_jax.m2r2.analysis import plot_alignment
+
+    out = Path(out)
+    written = []
+    if report.get("alignment"):
+        plot_alignment(report["alignment"], out / "alignment.png")
+        written.append(out / "alignment.png")
+    spec = report.get("speculative")
+    if spec:
+        methods = [m for m in SPEC_ORDER if m in spec]
+        fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+        axes[0].bar(methods, [spec[m]["speedup_vs_ar"] for m in methods], color="C0", label="measured")
+        axes[0].scatter(methods, [spec[m].get("ideal_speedup", 1.0) for m in methods], color="C3", zorder=3, label="ideal (measured costs)")
+        axes[0].axhline(1.0, color="k", lw=0.5)
+        axes[0].set_title("speedup over ar (batch 1)")
+        axes[0].legend()
+        axes[1].bar(methods, [spec[m]["mean_accepted_tokens"] for m in methods], color="C1")
+        axes[1].set_title("mean tokens per verification")
+        for m in methods[1:]:
+            acc = spec[m].get("acceptance_by_position", [])
+            axes[2].plot(range(1, len(acc) + 1), acc, "o-", label=m)
+        axes[2].set_title("acceptance by draft position")
+        axes[2].set_xlabel("draft position")
+        axes[2].legend()
+        fig.tight_layout()
+        fig.savefig(out / "speculative.png", dpi=110)
+        plt.close(fig)
+        written.append(out / "speculative.png")
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for m in methods:
+            sw = spec[m]["batch_sweep"]
+            ax.plot([b["batch_size"] for b in sw], [b["speedup_vs_ar"] for b in sw], "o-", label=m)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("batch size")
+        ax.set_ylabel("speedup over ar")
+        ax.legend()
+        ax.grid(alpha=0.3)
+        fig.tight_layout()
+        fig.savefig(out / "batch_sweep.png", dpi=110)
+        plt.close(fig)
+        written.append(out / "batch_sweep.png")
+    ee = report.get("early_exit")
+    if ee:
+        fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+        for m, rows in ee.items():
+            axes[0].plot([r["speedup"] for r in rows], [r["rouge_l"] for r in rows], "o-", label=m)
+            axes[1].plot([r["speedup"] for r in rows], [r["agreement"] for r in rows], "o-", label=m)
+        for ax, name in zip(axes, ("ROUGE-L", "token agreement")):
+            ax.set_xlabel("speedup over ar")
+            ax.set_ylabel(name)
+            ax.grid(alpha=0.3)
+            ax.legend()
+        fig.suptitle("early exit: quality vs speed (threshold sweep)")
+        fig.tight_layout()
+        fig.savefig(out / "early_exit.png", dpi=110)
+        plt.close(fig)
+        written.append(out / "early_exit.png")
+    return written
