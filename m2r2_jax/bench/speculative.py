@@ -77,23 +77,52 @@ def batch_throughput(engine, prompts, batch_size: int, width: int, repeats: int,
             "mean_accepted_tokens": float(np.mean([a for r in out["res"] for a in r.accepted])) if out["res"][0].accepted else 1.0}
 
 
-def round_costs(engine, ar_engine, prompt: Sequence[int], width: int, repeats: int = 20) -> dict:
-    """Median seconds of one ar step, one draft phase and one verify pass (batch 1)."""
+def _in_graph_seconds(fn, carry, repeats: int, n_short: int = 2, n_long: int = 12) -> float:
+    """Seconds per application of `fn` (carry -> carry) measured inside one compiled loop, so
+    dispatch and host overheads cancel: (t(n_long) - t(n_short)) / (n_long - n_short). The carry
+    threads the cache through every iteration, so nothing can be hoisted out of the loop."""
+
+    def looped(n):
+        return jax.jit(lambda c: jax.lax.fori_loop(0, n, lambda i, c: fn(c), c))
+
+    short, long_ = looped(n_short), looped(n_long)
+    jax.block_until_ready(short(carry))
+    jax.block_until_ready(long_(carry))
+    t_short, _ = _median_time(lambda: short(carry), repeats)
+    t_long, _ = _median_time(lambda: long_(carry), repeats)
+    return max(t_long - t_short, 1e-9) / (n_long - n_short)
+
+
+def round_costs(engine, ar_engine, prompt: Sequence[int], width: int, repeats: int = 5) -> dict:
+    """Seconds of one ar decoding step, one draft phase (gamma tokens) and one verification pass
+    over gamma + 1 positions, batch 1, each measured inside a compiled loop."""
+    from m2r2_jax.decoding import speculative as SP
+
     toks, lengths, valid = api.pad_batch([prompt], 1, width)
     keys = api.sequence_keys(0, [0])
     tau = jnp.float32(0.5)
     st_ar = api.prefill_batch(ar_engine.spec, ar_engine.params, toks, lengths, keys, valid)
-    t_ar, _ = _median_time(lambda: api.one_round(ar_engine.spec, ar_engine.params, st_ar, tau), repeats)
+    ar_step = api._round_fn(ar_engine.spec, ar_engine.params, tau)
+    t_ar = _in_graph_seconds(ar_step, st_ar, repeats)
     out = {"t_ar_step": t_ar}
     if engine is None:
         return out
-    st = api.prefill_batch(engine.spec, engine.params, toks, lengths, keys, valid)
-    drafted = api.draft_round(engine.spec, engine.params, st, tau)
-    drafts, cache = drafted[0], drafted[4]
-    t_draft, _ = _median_time(lambda: api.draft_round(engine.spec, engine.params, st, tau), repeats)
-    t_verify, _ = _median_time(lambda: api.verify_pass(engine.spec, engine.params, st, cache, drafts), repeats)
+    spec, params = engine.spec, engine.params
+    st = api.prefill_batch(spec, params, toks, lengths, keys, valid)
+
+    def draft_phase(st):
+        d = SP.draft(spec.drafter, spec.sampling, spec.gamma, False, params, st, tau, st.keys)
+        return st._replace(cache=d[4], dstate=d[5])
+
+    drafts = SP.draft(spec.drafter, spec.sampling, spec.gamma, False, params, st, tau, st.keys)[0]
+
+    def verify_pass(st):
+        return st._replace(cache=SP.verify(spec.cfg, params, st, st.cache, drafts)[1])
+
+    t_draft = _in_graph_seconds(draft_phase, st, repeats)
+    t_verify = _in_graph_seconds(verify_pass, st, repeats)
     out.update({"t_draft": t_draft, "t_verify": t_verify,
-                "draft_cost_per_token": t_draft / engine.spec.gamma / t_ar,
+                "draft_cost_per_token": t_draft / spec.gamma / t_ar,
                 "verify_cost_ratio": t_verify / t_ar})
     return out
 

@@ -83,4 +83,4 @@ def load_m2r2(directory, base_cfg: ModelConfig, base_fingerprint: str):
     except Exception as e:  # orbax raises assorted types
         msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise CheckpointError(f"cannot restore M2R2 parameters from {directory}: {msg[:300]}") from None
-    return mcfg, params
+    return mcfg, jax.device_put(params)

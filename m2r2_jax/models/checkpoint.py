@@ -102,7 +102,7 @@ def load_model(directory, cfg: Optional[ModelConfig] = None):
     except Exception as e:  # orbax raises many types; the user needs one line
         msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise CheckpointError(f"cannot restore parameters from {directory}: {msg[:300]}") from None
-    return cfg, params
+    return cfg, jax.device_put(params)
 
 
 def tokenizer_path(directory) -> Optional[Path]:

@@ -18,6 +18,7 @@ lets finished sequences of a batch idle without touching the cache.
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any, NamedTuple, Optional
 
 import jax
@@ -39,7 +40,14 @@ class ForwardAux(NamedTuple):
 # Parameters and cache
 # --------------------------------------------------------------------------------------------
 def init_params(cfg: ModelConfig, rng: jax.Array) -> Params:
+    """Random base parameters (std 0.02 normal; norms at one). Compiled as one program: run op by
+    op, the many small initialisers would each compile on their own."""
     cfg.validate()
+    return _init_params(cfg, rng)
+
+
+@partial(jax.jit, static_argnums=0)
+def _init_params(cfg: ModelConfig, rng: jax.Array) -> Params:
     pd = dtype_of(cfg.param_dtype)
     r_embed, r_layers, r_head = jax.random.split(rng, 3)
     tokens = jnp.zeros((1, 2), jnp.int32)

@@ -1,0 +1,87 @@
+"""`m2r2 bench --checkpoint CKPT [--m2r2 M2R2_CKPT] [--draft-checkpoint CKPT]
+   --prompts {mt_bench,spec_bench,koala,self_instruct,wizardlm,FILE} --out DIR`
+
+Speculative decoding side by side with plain decoding on a (converted) model and a prompt set,
+with Spec-Bench's definitions: speedup from mean per-answer tokens/s at batch 1, accepted tokens
+counting the target's own token, an identical-output check; plus a batch sweep and the costs
+(ar step, draft phase, verify pass) the ideal speedup is computed from. Writes DIR/report.json and
+DIR/speculative.png. Prompts are used as plain text (no chat template) and truncated from the left
+to --max-prompt-tokens.
+"""
+
+from __future__ import annotations
+
+from absl import flags
+
+flags.DEFINE_string("checkpoint", None, "base model directory")
+flags.DEFINE_string("m2r2", None, "M2R2 checkpoint (omit: fresh M2R2 parameters, still lossless)")
+flags.DEFINE_string("draft_checkpoint", None, "draft model for two_model (same vocabulary)")
+flags.DEFINE_string("prompts", "mt_bench", "prompt set name or a jsonl file")
+flags.DEFINE_integer("n_prompts", 16, "first N prompts of the set", lower_bound=1)
+flags.DEFINE_integer("max_prompt_tokens", 256, "prompts are cut to their last N tokens", lower_bound=1)
+flags.DEFINE_integer("max_new_tokens", 128, "tokens generated per answer", lower_bound=1)
+flags.DEFINE_integer("gamma", 4, "draft length", lower_bound=1)
+flags.DEFINE_list("batch_sizes", ["1", "4", "16"], "batch sizes of the throughput sweep")
+flags.DEFINE_integer("repeats", 3, "timing repeats (median kept)", lower_bound=1)
+flags.DEFINE_string("out", None, "output directory")
+flags.mark_flags_as_required(["checkpoint", "out"])
+FLAGS = flags.FLAGS
+
+
+def main(argv):
+    from absl import logging
+
+    logging.set_verbosity(logging.WARNING)
+    import json
+    import sys
+    from pathlib import Path
+
+    from m2r2_jax.bench import report as R
+    from m2r2_jax.bench.demo import _device, _write_json
+    from m2r2_jax.bench.prompts import load_prompt_set
+    from m2r2_jax.bench.speculative import SPEC_METHODS, compare_methods
+    from m2r2_jax.data.tokenizer import load_tokenizer
+    from m2r2_jax.errors import CheckpointError, ConfigError, DataError
+    from m2r2_jax.m2r2.loading import load_base_and_m2r2
+    from m2r2_jax.models.checkpoint import load_model, tokenizer_path
+
+    if len(argv) > 1:
+        raise ConfigError(f"unexpected arguments {argv[1:]}; pass options as --flags")
+    try:
+        batch_sizes = [int(b) for b in FLAGS.batch_sizes]
+    except ValueError:
+        raise ConfigError(f"--batch_sizes={FLAGS.batch_sizes} is invalid: expected integers") from None
+    if any(b < 1 for b in batch_sizes):
+        raise ConfigError(f"--batch_sizes={FLAGS.batch_sizes} is invalid: expected positive integers")
+    prompts = load_prompt_set(FLAGS.prompts)[: FLAGS.n_prompts]
+    base_cfg, base_params, mcfg, m2r2_params, fresh = load_base_and_m2r2(FLAGS.checkpoint, FLAGS.m2r2)
+    draft = load_model(FLAGS.draft_checkpoint) if FLAGS.draft_checkpoint else None
+    if any(isinstance(p, str) for p in prompts):
+        tok_file = tokenizer_path(FLAGS.checkpoint)
+        if tok_file is None:
+            raise CheckpointError(f"{FLAGS.checkpoint} has no tokenizer to encode text prompts")
+        tok = load_tokenizer(tok_file)
+        prompts = [tok.encode(p) if isinstance(p, str) else p for p in prompts]
+    limit = min(FLAGS.max_prompt_tokens, base_cfg.max_seq_len - FLAGS.max_new_tokens - FLAGS.gamma - 1)
+    if limit < 1:
+        raise ConfigError(f"--max_new_tokens={FLAGS.max_new_tokens} leaves no room for a prompt in the "
+                          f"model's context of {base_cfg.max_seq_len}")
+    prompts = [list(p)[-limit:] for p in prompts]
+    for i, p in enumerate(prompts):
+        if not p:
+            raise DataError(f"prompt {i} is empty")
+        if max(p) >= base_cfg.vocab_size or min(p) < 0:
+            raise DataError(f"prompt {i} has token ids outside the vocabulary [0, {base_cfg.vocab_size})")
+    methods = ("ar",) + tuple(m for m in SPEC_METHODS if m != "two_model" or draft is not None)
+    spec = compare_methods(base_cfg, base_params, prompts, max_new_tokens=FLAGS.max_new_tokens, gamma=FLAGS.gamma,
+                           m2r2=(mcfg, m2r2_params), draft=draft, methods=methods, batch_sizes=batch_sizes,
+                           repeats=FLAGS.repeats, progress=lambda m: print(f"[bench] {m}", file=sys.stderr, flush=True))
+    report = {"device": _device(), "prompts": FLAGS.prompts, "n_prompts": len(prompts),
+              "fresh_m2r2_params": fresh, "m2r2": mcfg.to_dict(), "speculative": spec}
+    report["targets"] = R.targets(report)
+    out = Path(FLAGS.out)
+    out.mkdir(parents=True, exist_ok=True)
+    _write_json(out / "report.json", report)
+    R.write_plots(report, out)
+    print(R.table(report))
+    print(json.dumps({"report": str(out / "report.json")}))
