@@ -5,6 +5,11 @@ import os
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+# Tests compile many small programs, often the same ones in different tests, in both xdist workers
+# and in CLI subprocesses (which inherit these variables): a persistent compilation cache shared
+# by the run saves most of that time.
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", "/tmp/m2r2_jax_test_cache")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
 
 import jax  # noqa: E402
 import pytest  # noqa: E402

@@ -1,0 +1,157 @@
+"""`m2r2 generate --checkpoint CKPT --method METHOD --prompts FILE.jsonl --out OUT.jsonl [...]`
+
+Generates a continuation for every line of a JSONL prompt file with one decoding method:
+ar | m2r2_spec | distance_spec | two_model | m2r2_exit | distance_exit.
+
+Each input line is an object with "prompt" (text, encoded with the checkpoint's tokenizer) or
+"tokens" (ids). Each output line (same order) holds "tokens" (generated ids), "text" (their
+decoding; null without a tokenizer), "accepted" (per verification round: accepted drafts + 1;
+empty for non-speculative methods), "rounds", "layers" (decode-phase layer-equivalents) and
+"early_exits". Line i samples from its own stream `fold_in(key(seed), i)`, so results do not depend
+on --batch-size. Without --m2r2 the m2r2 methods use freshly initialised M2R2 parameters (still
+lossless for m2r2_spec). The output file is written atomically.
+"""
+
+from __future__ import annotations
+
+from absl import flags
+
+flags.DEFINE_string("checkpoint", None, "base model directory")
+flags.DEFINE_string("m2r2", None, "M2R2 checkpoint directory (m2r2_spec, m2r2_exit, distance_spec's E)")
+flags.DEFINE_string("draft_checkpoint", None, "draft model directory (two_model)")
+flags.DEFINE_enum("method", "ar", ["ar", "m2r2_spec", "distance_spec", "two_model", "m2r2_exit", "distance_exit"],
+                  "decoding method")
+flags.DEFINE_string("prompts", None, "JSONL file: one {\"prompt\": TEXT} or {\"tokens\": [ids]} per line")
+flags.DEFINE_integer("max_new_tokens", 64, "tokens to generate per prompt")
+flags.DEFINE_float("temperature", 0.0, "sampling temperature; 0 = greedy")
+flags.DEFINE_float("top_p", 1.0, "nucleus sampling mass in (0, 1]")
+flags.DEFINE_integer("seed", 0, "random seed (line i uses fold_in(key(seed), i))")
+flags.DEFINE_integer("batch_size", 8, "sequences decoded together")
+flags.DEFINE_integer("gamma", 4, "draft tokens per speculative round")
+flags.DEFINE_float("tau", 0.5, "router / decider threshold in [0, 1]")
+flags.DEFINE_enum("draft_length", "fixed", ["fixed", "dynamic"], "speculative draft length")
+flags.DEFINE_enum("kv_missing", "propagate", ["propagate", "deferred"], "early exit: K/V of skipped layers")
+flags.DEFINE_enum("decider", "confidence", ["confidence", "saturation"], "distance_exit decider")
+flags.DEFINE_integer("exit_layer", None, "distance_spec draft depth E (default: the M2R2 draft's cost)")
+flags.DEFINE_string("out", None, "output JSONL file")
+for _name in ("max_new_tokens", "draft_checkpoint", "top_p", "batch_size", "draft_length", "kv_missing", "exit_layer"):
+    flags.DEFINE_alias(_name.replace("_", "-"), _name)
+flags.mark_flags_as_required(["checkpoint", "prompts", "out"])
+FLAGS = flags.FLAGS
+
+
+def read_prompts(path, tokenizer):
+    """Token-id prompts from a JSONL file (blank lines skipped) and a "FILE:LINE" label for each;
+    every problem names the file and line."""
+    import json
+    from pathlib import Path
+
+    from m2r2_jax.errors import DataError
+
+    p = Path(path)
+    if not p.is_file():
+        raise DataError(f"prompts file {path} does not exist")
+    prompts, where_all = [], []
+    for i, line in enumerate(p.read_text(encoding="utf-8").splitlines(), start=1):
+        if not line.strip():
+            continue
+        where = f"{path}:{i}"
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise DataError(f"{where}: not valid JSON ({e.msg})") from None
+        if not isinstance(obj, dict) or ("prompt" in obj) == ("tokens" in obj):
+            raise DataError(f"{where}: expected an object with exactly one of \"prompt\" (text) or \"tokens\" (ids)")
+        if "tokens" in obj:
+            toks = obj["tokens"]
+            if not isinstance(toks, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in toks):
+                raise DataError(f"{where}: \"tokens\" must be a list of integer ids")
+        else:
+            if not isinstance(obj["prompt"], str):
+                raise DataError(f"{where}: \"prompt\" must be a string")
+            if tokenizer is None:
+                raise DataError(f"{where}: a text prompt needs a tokenizer, but the checkpoint has none (give \"tokens\")")
+            toks = tokenizer.encode(obj["prompt"])
+        if not toks:
+            raise DataError(f"{where}: the prompt is empty")
+        prompts.append(toks)
+        where_all.append(where)
+    if not prompts:
+        raise DataError(f"prompts file {path} has no prompts")
+    return prompts, where_all
+
+
+def write_jsonl_atomic(path, rows) -> None:
+    import json
+    import os
+    import tempfile
+    from pathlib import Path
+
+    out = Path(path).absolute()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=out.name + ".tmp-", dir=out.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            for row in rows:
+                f.write(json.dumps(row) + "\n")
+        os.replace(tmp, out)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def main(argv):
+    from absl import logging
+
+    logging.set_verbosity(logging.WARNING)  # orbax logs restores at INFO
+    from m2r2_jax.data.tokenizer import load_tokenizer
+    from m2r2_jax.decoding import api
+    from m2r2_jax.decoding.sampling import Sampling
+    from m2r2_jax.errors import ConfigError
+    from m2r2_jax.models.checkpoint import load_config, load_fingerprint, load_model, tokenizer_path
+
+    if len(argv) > 1:
+        raise ConfigError(f"unexpected arguments {argv[1:]}; pass options as --flags")
+    # cheap checks first: a bad flag fails before any model is loaded
+    if FLAGS.max_new_tokens <= 0:
+        raise ConfigError(f"--max-new-tokens={FLAGS.max_new_tokens} is invalid: expected a positive integer")
+    if FLAGS.batch_size <= 0:
+        raise ConfigError(f"--batch-size={FLAGS.batch_size} is invalid: expected a positive integer")
+    if FLAGS.gamma <= 0:
+        raise ConfigError(f"--gamma={FLAGS.gamma} is invalid: expected a positive integer")
+    if not (0.0 <= FLAGS.tau <= 1.0):
+        raise ConfigError(f"--tau={FLAGS.tau} is invalid: expected a value in [0, 1]")
+    Sampling(FLAGS.temperature, FLAGS.top_p).validate()
+    if FLAGS.method == "two_model" and not FLAGS.draft_checkpoint:
+        raise ConfigError("--method=two_model needs --draft-checkpoint")
+
+    cfg = load_config(FLAGS.checkpoint)
+    tok_file = tokenizer_path(FLAGS.checkpoint)
+    tokenizer = load_tokenizer(tok_file) if tok_file is not None else None
+    prompts, where = read_prompts(FLAGS.prompts, tokenizer)
+    prompts = api.check_prompts(cfg, prompts, FLAGS.max_new_tokens, where)
+    m2r2 = None
+    if FLAGS.m2r2 and FLAGS.method in ("m2r2_spec", "m2r2_exit", "distance_spec"):
+        from m2r2_jax.m2r2.checkpoint import load_m2r2
+
+        m2r2 = load_m2r2(FLAGS.m2r2, cfg, load_fingerprint(FLAGS.checkpoint))
+    draft = load_model(FLAGS.draft_checkpoint) if FLAGS.method == "two_model" else None
+    _, params = load_model(FLAGS.checkpoint, cfg)
+    eos = tokenizer.eos_id if tokenizer is not None else None
+    results = api.generate(FLAGS.method, cfg, params, prompts, max_new_tokens=FLAGS.max_new_tokens,
+                           temperature=FLAGS.temperature, top_p=FLAGS.top_p, seed=FLAGS.seed,
+                           batch_size=FLAGS.batch_size, gamma=FLAGS.gamma, draft_length=FLAGS.draft_length,
+                           tau=FLAGS.tau, eos_id=eos, m2r2=m2r2, draft=draft, exit_layer=FLAGS.exit_layer,
+                           decider=FLAGS.decider, kv_missing=FLAGS.kv_missing)
+    rows = [{
+        "tokens": r.tokens,
+        "text": tokenizer.decode(r.tokens) if tokenizer is not None else None,
+        "accepted": r.accepted,
+        "rounds": r.rounds,
+        "layers": r.layers,
+        "early_exits": r.early_exits,
+    } for r in results]
+    write_jsonl_atomic(FLAGS.out, rows)
+    n_tok = sum(len(r.tokens) for r in results)
+    print(f"wrote {len(rows)} lines, {n_tok} tokens, to {FLAGS.out}")

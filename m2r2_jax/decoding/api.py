@@ -1,0 +1,411 @@
+"""The decoding engine's public entry: `generate(method, ...)`.
+
+    results = generate("m2r2_spec", cfg, params, prompts, max_new_tokens=64, gamma=4,
+                       m2r2=(mcfg, m2r2_params))
+    results[i].tokens, .accepted, .rounds, .target_layers, .draft_layers, .layers_per_token
+
+Methods:
+- "ar"             plain autoregressive decoding (the reference);
+- "m2r2_spec"      lossless self-speculative decoding, drafts from the M2R2 fast stream;
+- "distance_spec"  lossless self-speculation drafting with the first E slow layers + exit head,
+                   E = round(draft_cost_layers(...)) unless `exit_layer` is given;
+- "two_model"      lossless speculative decoding with a separate draft model (`draft=(cfg, params)`);
+- "m2r2_exit"      early exit on the fast stream, router decides (lossy by design);
+- "distance_exit"  early exit on the slow stream, confidence or saturation decider (lossy).
+
+Every method runs a whole batch inside one jitted `lax.while_loop` with static shapes; prompts are
+right-padded and batches are padded with idle rows, so one compiled program serves every batch of
+a call. Sequence i draws its randomness from `fold_in(key(seed), line_numbers[i])` (default i),
+so results do not depend on the batch size or on the other prompts.
+
+Per sequence the result holds: `tokens` (generated ids, the first from the prefill, stopping after
+EOS or at max_new_tokens), `accepted` (speculative methods: per verification round, accepted drafts
++ 1 -- the tokens one verification produced before EOS/length truncation; empty otherwise), `rounds`
+(verification rounds; decoding steps after the prefill for ar and early exit), `target_layers`
+(base-model layers run per token, summed: layer x token evaluations after the prefill; a verify
+pass over G+1 positions counts (G+1) x N), `draft_layers` (drafter layer-equivalents summed over
+draft steps: E per step for distance_spec, `draft_cost_layers` for M2R2, the draft model's own
+layer count for two_model; fast steps for m2r2_exit), and `layers_per_token`.
+
+For benchmarks: `Engine` (from `build_engine`) exposes the jitted `prefill`, `draft_round` and
+`verify` pieces so draft and verify can be timed separately, and `ideal_speedup(...)` gives the
+standard speculative speedup bound from the measured acceptance and the draft's relative cost.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Callable, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from m2r2_jax.decoding import ar, early_exit, speculative
+from m2r2_jax.decoding.loop import GenState, prefill, run_rounds
+from m2r2_jax.decoding.sampling import Sampling
+from m2r2_jax.errors import ConfigError, DataError
+from m2r2_jax.models.config import ModelConfig
+
+METHODS = ("ar", "m2r2_spec", "distance_spec", "two_model", "m2r2_exit", "distance_exit")
+SPEC_METHODS = ("m2r2_spec", "distance_spec", "two_model")
+EXIT_METHODS = ("m2r2_exit", "distance_exit")
+DRAFT_LENGTHS = ("fixed", "dynamic")
+KV_MISSING = ("propagate", "deferred")
+DECIDERS = ("confidence", "saturation")
+NO_EOS = -1
+
+
+@dataclasses.dataclass
+class SequenceResult:
+    tokens: list
+    accepted: list
+    rounds: int
+    target_layers: float
+    draft_layers: float
+    early_exits: int = 0  # early-exit methods: tokens emitted before the last layer
+
+    @property
+    def layers(self) -> float:
+        return self.target_layers + self.draft_layers
+
+    @property
+    def layers_per_token(self) -> float:
+        """Decode-phase layer-equivalents per generated token after the first (prefill) one."""
+        return self.layers / max(1, len(self.tokens) - 1)
+
+    @property
+    def mean_accepted(self) -> float:
+        return float(np.mean(self.accepted)) if self.accepted else 1.0
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineSpec:
+    """Everything static about one compiled generation program (hashable: a jit static arg)."""
+
+    method: str
+    cfg: ModelConfig
+    sampling: Sampling
+    max_new: int
+    gamma: int = 1
+    dynamic: bool = False
+    eos_id: int = NO_EOS
+    drafter: Any = None  # speculative drafters (speculative.py) or the early-exit runner
+    accept_fn: Optional[Callable] = None  # override of the rejection rule (tests of the tests)
+
+    @property
+    def commit_width(self) -> int:
+        return self.gamma + 1 if self.method in SPEC_METHODS else 1
+
+    def cache_len(self, prompt_width: int) -> int:
+        return prompt_width + self.max_new + self.commit_width
+
+
+def _round_fn(spec: EngineSpec, params, tau):
+    if spec.method == "ar":
+        return functools.partial(ar.ar_round, spec.cfg, spec.sampling, spec.max_new, spec.eos_id, params["base"])
+    if spec.method in SPEC_METHODS:
+        return functools.partial(speculative.spec_round, spec.cfg, spec.drafter, spec.sampling, spec.gamma,
+                                 spec.dynamic, spec.max_new, spec.eos_id, spec.accept_fn, params, tau)
+    return functools.partial(early_exit.exit_round, spec.drafter, spec.sampling, spec.max_new, spec.eos_id,
+                             params, tau)
+
+
+def _prefill(spec: EngineSpec, params, prompts, lengths, keys, valid) -> GenState:
+    b, width = prompts.shape
+    cache_len = spec.cache_len(width)
+    dstate, extra = (), ()
+    if spec.method in SPEC_METHODS:
+        from m2r2_jax.decoding.loop import prompt_positions
+
+        dstate = spec.drafter.init_state(b, cache_len)
+        dstate = spec.drafter.prefill(params, dstate, prompts, prompt_positions(lengths, width, cache_len))
+    elif spec.method in EXIT_METHODS:
+        extra = spec.drafter.init_extra(b, cache_len)
+    return prefill(spec.cfg, params["base"], prompts, lengths, keys, valid, spec.sampling, max_new=spec.max_new,
+                   commit_width=spec.commit_width, cache_len=cache_len, eos_id=spec.eos_id, dstate=dstate,
+                   extra=extra)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def run_batch(spec: EngineSpec, params, prompts, lengths, keys, valid, tau) -> GenState:
+    """Prefill + the whole generation loop for one padded batch, in one compiled program."""
+    st = _prefill(spec, params, prompts, lengths, keys, valid)
+    return run_rounds(_round_fn(spec, params, tau), st, spec.max_new)
+
+
+# Separately jitted pieces for benchmarks (time the draft and the verify pass on their own).
+@functools.partial(jax.jit, static_argnums=0)
+def prefill_batch(spec: EngineSpec, params, prompts, lengths, keys, valid) -> GenState:
+    return _prefill(spec, params, prompts, lengths, keys, valid)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def draft_round(spec: EngineSpec, params, st: GenState, tau):
+    """Drafting of one speculative round: (drafts [B,G], q or None, draft_len, steps, cache, dstate)."""
+    from m2r2_jax.decoding.loop import round_keys
+
+    k_draft = jax.vmap(lambda k: jax.random.split(k, 2)[0])(round_keys(st.keys, st.it + 1))
+    return speculative.draft(spec.drafter, spec.sampling, spec.gamma, spec.dynamic, params, st, tau, k_draft)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def verify_pass(spec: EngineSpec, params, st: GenState, cache, drafts):
+    """The slow verification pass of one round: (logits [B, G+1, V], cache)."""
+    return speculative.verify(spec.cfg, params, st, cache, drafts)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def one_round(spec: EngineSpec, params, st: GenState, tau) -> GenState:
+    st = _round_fn(spec, params, tau)(st)
+    return st._replace(it=st.it + 1)
+
+
+def ideal_speedup(mean_tokens_per_round: float, gamma: int, draft_cost_ratio: float) -> float:
+    """Speedup bound of speculative decoding when a verify pass costs one target step: a round
+    yields `mean_tokens_per_round` tokens for gamma draft steps of relative cost c plus one verify:
+    E[tokens] / (gamma * c + 1)."""
+    return mean_tokens_per_round / (gamma * draft_cost_ratio + 1.0)
+
+
+def draft_cost_ratio(spec: EngineSpec) -> float:
+    """One draft step's cost relative to one base-model step (layer-equivalents / N). For
+    two_model this is the draft model's layer count over the base's (a rough FLOP proxy)."""
+    if spec.method not in SPEC_METHODS:
+        raise ConfigError(f"method {spec.method!r} has no draft")
+    return spec.drafter.cost_per_token() / spec.cfg.n_layers
+
+
+# --------------------------------------------------------------------------------------------
+# Building the static spec from user-level options
+# --------------------------------------------------------------------------------------------
+def _default_m2r2(cfg: ModelConfig, m2r2):
+    if m2r2 is not None:
+        return m2r2
+    from m2r2_jax.m2r2.fast_stream import init_m2r2_params
+
+    mcfg = default_m2r2_config(cfg)
+    return mcfg, init_m2r2_params(cfg, mcfg, jax.random.key(0))
+
+
+def default_m2r2_config(cfg: ModelConfig):
+    """The default M2R2Config, with the branch layer pulled inside very shallow bases."""
+    from m2r2_jax.m2r2.config import M2R2Config
+
+    mcfg = M2R2Config()
+    if mcfg.branch_layer >= cfg.n_layers:
+        mcfg = dataclasses.replace(mcfg, branch_layer=cfg.n_layers - 1)
+    return mcfg.validate(cfg)
+
+
+def distance_exit_layer(cfg: ModelConfig, mcfg) -> int:
+    """E for distance_spec: the number of slow layers costing what one M2R2 draft costs."""
+    from m2r2_jax.m2r2.fast_stream import draft_cost_layers
+
+    return int(min(max(1, round(draft_cost_layers(cfg, mcfg))), cfg.n_layers))
+
+
+@dataclasses.dataclass(frozen=True)
+class Engine:
+    spec: EngineSpec
+    params: Any  # {"base": ..., "m2r2": ..., "draft": ..., "exit_norm_scale": ...}
+
+
+def build_engine(
+    method: str,
+    cfg: ModelConfig,
+    base_params,
+    *,
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    gamma: int = 4,
+    draft_length: str = "fixed",
+    eos_id: Optional[int] = None,
+    m2r2=None,
+    draft=None,
+    exit_layer: Optional[int] = None,
+    exit_norm_scale=None,
+    decider: str = "confidence",
+    kv_missing: str = "propagate",
+    deferred_window: int = 8,
+    accept_fn: Optional[Callable] = None,
+) -> Engine:
+    """Validate the options and assemble the static spec + parameter tree of one method."""
+    if method not in METHODS:
+        raise ConfigError(f"method={method!r} is invalid: expected one of {', '.join(METHODS)}")
+    if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens <= 0:
+        raise ConfigError(f"max_new_tokens={max_new_tokens!r} is invalid: expected a positive integer")
+    sampling = Sampling(float(temperature), float(top_p)).validate()
+    if method in SPEC_METHODS and (not isinstance(gamma, (int, np.integer)) or gamma < 1):
+        raise ConfigError(f"gamma={gamma!r} is invalid: expected an integer >= 1")
+    if draft_length not in DRAFT_LENGTHS:
+        raise ConfigError(f"draft_length={draft_length!r} is invalid: expected fixed or dynamic")
+    if kv_missing not in KV_MISSING:
+        raise ConfigError(f"kv_missing={kv_missing!r} is invalid: expected propagate or deferred")
+    if kv_missing == "deferred" and (not isinstance(deferred_window, (int, np.integer)) or deferred_window < 1):
+        raise ConfigError(f"deferred_window={deferred_window!r} is invalid: expected a positive integer")
+    if decider not in DECIDERS:
+        raise ConfigError(f"decider={decider!r} is invalid: expected confidence or saturation")
+    params = {"base": base_params}
+    drafter = None
+    if method == "distance_spec":
+        # only the M2R2 config matters here (it sets E); no parameters are initialised
+        mcfg = m2r2[0] if m2r2 is not None else default_m2r2_config(cfg)
+        e = distance_exit_layer(cfg, mcfg.validate(cfg)) if exit_layer is None else int(exit_layer)
+        if not (1 <= e <= cfg.n_layers):
+            raise ConfigError(f"exit_layer={exit_layer!r} is invalid: expected 1..n_layers={cfg.n_layers}")
+        drafter = speculative.DistanceDrafter(cfg, e)
+    elif method in ("m2r2_spec", "m2r2_exit"):
+        mcfg, m2r2_params = _default_m2r2(cfg, m2r2)
+        mcfg.validate(cfg)
+        if method == "m2r2_spec":
+            drafter = speculative.M2R2Drafter(cfg, mcfg)
+            params["m2r2"] = m2r2_params
+        else:
+            drafter = early_exit.M2R2Exit(cfg, mcfg, kv_missing, int(deferred_window))
+            params["m2r2"] = m2r2_params
+    elif method == "two_model":
+        if draft is None:
+            raise ConfigError("method two_model needs a draft model (--draft-checkpoint)")
+        dcfg, dparams = draft
+        if dcfg.vocab_size != cfg.vocab_size:
+            raise ConfigError(f"the draft model's vocabulary ({dcfg.vocab_size}) differs from the base's ({cfg.vocab_size})")
+        drafter = speculative.TwoModelDrafter(dcfg)
+        params["draft"] = dparams
+    elif method == "distance_exit":
+        drafter = early_exit.DistanceExit(cfg, decider, kv_missing, int(deferred_window))
+    if exit_norm_scale is not None:
+        params["exit_norm_scale"] = exit_norm_scale
+    spec = EngineSpec(method=method, cfg=cfg, sampling=sampling, max_new=int(max_new_tokens),
+                      gamma=int(gamma) if method in SPEC_METHODS else 1,
+                      dynamic=(draft_length == "dynamic" and method in SPEC_METHODS),
+                      eos_id=NO_EOS if eos_id is None else int(eos_id), drafter=drafter, accept_fn=accept_fn)
+    return Engine(spec, params)
+
+
+# --------------------------------------------------------------------------------------------
+# Prompts and batches
+# --------------------------------------------------------------------------------------------
+def check_prompts(cfg: ModelConfig, prompts: Sequence[Sequence[int]], max_new_tokens: int,
+                  names: Optional[Sequence[str]] = None) -> list:
+    """Validate token prompts; returns them as lists of ints. Errors name the prompt (`names[i]`,
+    default "prompt i")."""
+    out = []
+    for i, p in enumerate(prompts):
+        name = names[i] if names is not None else f"prompt {i}"
+        ids = [int(t) for t in np.asarray(p, dtype=np.int64).reshape(-1)]
+        if not ids:
+            raise DataError(f"{name} is empty")
+        bad = [t for t in ids if not (0 <= t < cfg.vocab_size)]
+        if bad:
+            raise DataError(f"{name} has token id {bad[0]} outside the vocabulary [0, {cfg.vocab_size})")
+        if len(ids) + max_new_tokens > cfg.max_seq_len:
+            raise DataError(f"{name} is too long: {len(ids)} tokens + max_new_tokens={max_new_tokens} exceed the "
+                            f"model's context of {cfg.max_seq_len}")
+        out.append(ids)
+    return out
+
+
+def pad_batch(prompts: Sequence[Sequence[int]], batch_size: int, width: int):
+    """Right-pad prompts into [batch_size, width]; missing rows are idle (valid False)."""
+    toks = np.zeros((batch_size, width), np.int32)
+    lengths = np.ones((batch_size,), np.int32)
+    valid = np.zeros((batch_size,), bool)
+    for i, p in enumerate(prompts):
+        toks[i, : len(p)] = p
+        lengths[i] = len(p)
+        valid[i] = True
+    return jnp.asarray(toks), jnp.asarray(lengths), jnp.asarray(valid)
+
+
+def sequence_keys(seed: int, line_numbers: Sequence[int]) -> jax.Array:
+    base = jax.random.key(int(seed))
+    return jax.vmap(lambda i: jax.random.fold_in(base, i))(jnp.asarray(list(line_numbers), jnp.uint32))
+
+
+def results_from_state(st: GenState, n: int) -> list:
+    return jax.device_get(
+        (st.out, st.n_gen, st.accepted, st.n_rounds, st.target_layers, st.draft_layers, st.early_exits))
+
+
+def run_engine(engine: Engine, prompts: Sequence[Sequence[int]], *, seed: int = 0,
+               line_numbers: Optional[Sequence[int]] = None, batch_size: int = 8, tau: float = 0.5,
+               width: Optional[int] = None, fixed_batch: bool = False, return_states: bool = False):
+    """Generate for already-validated token prompts with a built engine (see `generate`).
+    Batches are padded to `batch_size` rows (or to the number of prompts when that is smaller,
+    unless `fixed_batch`) and prompts to `width` (default: the longest prompt), so every batch of
+    a call runs the same compiled program."""
+    spec = engine.spec
+    if not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
+        raise ConfigError(f"batch_size={batch_size!r} is invalid: expected a positive integer")
+    if not (0.0 <= float(tau) <= 1.0):
+        raise ConfigError(f"tau={tau!r} is invalid: expected a value in [0, 1]")
+    line_numbers = list(range(len(prompts))) if line_numbers is None else list(line_numbers)
+    if not fixed_batch:
+        batch_size = min(int(batch_size), max(1, len(prompts)))
+    width = width or max(len(p) for p in prompts)
+    results, states = [], []
+    for start in range(0, len(prompts), batch_size):
+        chunk = prompts[start:start + batch_size]
+        toks, lengths, valid = pad_batch(chunk, batch_size, width)
+        lines = line_numbers[start:start + batch_size]
+        lines = lines + [0] * (batch_size - len(lines))
+        st = run_batch(spec, engine.params, toks, lengths, sequence_keys(seed, lines), valid,
+                       jnp.float32(tau))
+        out, n_gen, acc, rounds, tl, dl, ee = results_from_state(st, len(chunk))
+        for i in range(len(chunk)):
+            results.append(SequenceResult(
+                tokens=[int(t) for t in out[i, : n_gen[i]]],
+                accepted=[int(a) for a in acc[i, : rounds[i]]] if spec.method in SPEC_METHODS else [],
+                rounds=int(rounds[i]),
+                target_layers=float(tl[i]),
+                draft_layers=float(dl[i]),
+                early_exits=int(ee[i]),
+            ))
+        if return_states:
+            states.append(st)
+    return (results, states) if return_states else results
+
+
+def generate(
+    method: str,
+    cfg: ModelConfig,
+    base_params,
+    prompts: Sequence[Sequence[int]],
+    *,
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    seed: int = 0,
+    line_numbers: Optional[Sequence[int]] = None,
+    batch_size: int = 8,
+    gamma: int = 4,
+    draft_length: str = "fixed",
+    tau: float = 0.5,
+    eos_id: Optional[int] = None,
+    m2r2=None,
+    draft=None,
+    exit_layer: Optional[int] = None,
+    decider: str = "confidence",
+    kv_missing: str = "propagate",
+) -> list:
+    """Generate continuations of token prompts with one method; returns one `SequenceResult` per
+    prompt, in order (see the module docstring for the fields).
+
+    m2r2: (M2R2Config, M2R2 params) for m2r2_spec / m2r2_exit / distance_spec's E (default: a fresh
+    `init_m2r2_params` with the default config, which is still lossless for m2r2_spec).
+    draft: (ModelConfig, params) of the two_model draft model. tau: the router / decider threshold
+    (dynamic draft length and early exit). eos_id: stop a sequence after this token (None: never).
+    """
+    engine = build_engine(method, cfg, base_params, max_new_tokens=max_new_tokens, temperature=temperature,
+                          top_p=top_p, gamma=gamma, draft_length=draft_length, eos_id=eos_id, m2r2=m2r2,
+                          draft=draft, exit_layer=exit_layer, decider=decider, kv_missing=kv_missing)
+    if line_numbers is not None and len(line_numbers) != len(prompts):
+        raise ConfigError(f"line_numbers has {len(line_numbers)} entries for {len(prompts)} prompts")
+    if not len(prompts):
+        return []
+    names = None if line_numbers is None else [f"prompt {n}" for n in line_numbers]
+    prompts = check_prompts(cfg, prompts, int(max_new_tokens), names)
+    return run_engine(engine, prompts, seed=seed, line_numbers=line_numbers, batch_size=batch_size, tau=tau)

@@ -1,0 +1,97 @@
+"""`m2r2 generate` end to end, and the one-line errors for bad input (library and CLI)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from decoding_helpers import model, random_m2r2
+from m2r2_jax.decoding import api
+from m2r2_jax.errors import CheckpointError, ConfigError, DataError
+from m2r2_jax.m2r2.checkpoint import save_m2r2
+from m2r2_jax.models.checkpoint import params_fingerprint, save_model
+
+PROMPTS = [[1, 2, 3], [4, 5, 6, 7], [1, 2, 3]]
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+    d = tmp_path_factory.mktemp("gen")
+    cfg, params = model("llama")
+    save_model(d / "base", cfg, params)
+    other_cfg, other = model("llama", seed=9)
+    mcfg = api.default_m2r2_config(other_cfg)
+    save_m2r2(d / "m2r2_other", mcfg, random_m2r2(other_cfg, mcfg, 0), other_cfg,
+              params_fingerprint(other_cfg, other))
+    (d / "prompts.jsonl").write_text("".join(json.dumps({"tokens": p}) + "\n" for p in PROMPTS))
+    return d
+
+
+def m2r2_cli(*args):
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env.pop("XLA_FLAGS", None)
+    return subprocess.run([sys.executable, "-m", "m2r2_jax.cli.main", "generate", *args], capture_output=True,
+                          text=True, env=env, timeout=600)
+
+
+def test_cli_m2r2_spec_with_fresh_params_reproduces_greedy_ar(ckpts):
+    out = ckpts / "out.jsonl"
+    r = m2r2_cli("--checkpoint", str(ckpts / "base"), "--method", "m2r2_spec", "--prompts", str(ckpts / "prompts.jsonl"),
+                 "--max-new-tokens", "6", "--temperature", "0", "--seed", "0", "--batch-size", "2", "--gamma", "3",
+                 "--out", str(out))
+    assert r.returncode == 0, r.stderr
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    cfg, params = model("llama")
+    ref = api.generate("ar", cfg, params, PROMPTS, max_new_tokens=6, batch_size=3)
+    assert [row["tokens"] for row in rows] == [x.tokens for x in ref]
+    assert all(row["accepted"] and row["text"] is None for row in rows)
+    assert rows[0]["tokens"] == rows[2]["tokens"]  # greedy: a repeated prompt repeats
+
+
+@pytest.mark.parametrize("extra,needle", [
+    (["--max-new-tokens", "0"], "max-new-tokens"),
+    (["--m2r2", "{d}/m2r2_other"], "another base model"),
+    (["--prompts", "{d}/bad.jsonl"], "outside the vocabulary"),
+])
+def test_cli_bad_input_is_one_line_and_exit_2(ckpts, extra, needle):
+    (ckpts / "bad.jsonl").write_text(json.dumps({"tokens": [1, 2]}) + "\n" + json.dumps({"tokens": [1, 999]}) + "\n")
+    args = {"--checkpoint": str(ckpts / "base"), "--method": "m2r2_spec", "--prompts": str(ckpts / "prompts.jsonl"),
+            "--max-new-tokens": "4", "--out": str(ckpts / "never.jsonl")}
+    for k, v in zip(extra[::2], extra[1::2]):
+        args[k] = v.format(d=ckpts)
+    r = m2r2_cli(*[x for kv in args.items() for x in kv])
+    assert r.returncode == 2
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("m2r2: error:") and needle in lines[0], r.stderr
+    assert not (ckpts / "never.jsonl").exists()
+
+
+@pytest.mark.parametrize("prompts,kw,err", [
+    ([[]], {}, DataError),
+    ([[1, 61]], {}, DataError),
+    ([[-1]], {}, DataError),
+    ([[1] * 60], {"max_new_tokens": 8}, DataError),  # the context is 64
+    ([[1]], {"max_new_tokens": 0}, ConfigError),
+    ([[1]], {"method": "two_model"}, ConfigError),
+    ([[1]], {"gamma": 0, "method": "distance_spec"}, ConfigError),
+    ([[1]], {"temperature": -1.0}, ConfigError),
+    ([[1]], {"method": "beam"}, ConfigError),
+])
+def test_library_rejects_bad_input_with_a_named_error(prompts, kw, err):
+    cfg, params = model("llama")
+    kw = dict({"method": "ar", "max_new_tokens": 4}, **kw)
+    with pytest.raises(err) as e:
+        api.generate(kw.pop("method"), cfg, params, prompts, **kw)
+    assert "\n" not in str(e.value)
+
+
+def test_m2r2_checkpoint_of_another_base_is_refused(ckpts):
+    from m2r2_jax.m2r2.checkpoint import load_m2r2
+
+    cfg, params = model("llama")
+    with pytest.raises(CheckpointError, match="another base"):
+        load_m2r2(ckpts / "m2r2_other", cfg, params_fingerprint(cfg, params))

@@ -1,0 +1,83 @@
+"""Early exit (m2r2_exit, distance_exit): the compute it reports, the tokens it emits when no
+token exits, and the exactness of the "deferred" K/V completion."""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import pytest
+
+from decoding_helpers import MAX_NEW, model, random_m2r2, reference_cache, run
+from m2r2_jax.decoding import api
+from m2r2_jax.m2r2.config import M2R2Config
+from m2r2_jax.m2r2.fast_stream import draft_cost_layers
+
+PROMPTS = [[1, 2, 3], [4, 5], [9, 10, 11, 12, 13, 14], [6]]
+MCFG = M2R2Config(branch_layer=1, rate=2, lora_rank=4, router_dim=8, router_hidden=8)
+
+
+@functools.lru_cache(maxsize=None)
+def m2r2_params():
+    cfg, _ = model("llama")
+    return random_m2r2(cfg, MCFG, 3, adapter_scale=0.2)
+
+
+def engine(method, kv_missing="propagate", decider="confidence", window=2):
+    cfg, params = model("llama")
+    kw = dict(m2r2=(MCFG, m2r2_params())) if method == "m2r2_exit" else dict(decider=decider)
+    eng = api.build_engine(method, cfg, params, max_new_tokens=MAX_NEW, kv_missing=kv_missing,
+                           deferred_window=window, **kw)
+    return cfg, params, eng
+
+
+def test_m2r2_exit_without_router_firing_is_plain_decoding():
+    cfg, params, eng = engine("m2r2_exit")
+    res, _ = run(eng, PROMPTS, tau=1.0)
+    ar, _ = run(api.build_engine("ar", cfg, params, max_new_tokens=MAX_NEW), PROMPTS)
+    k = MCFG.steps(cfg)
+    for r, a in zip(res, ar):
+        assert r.tokens == a.tokens
+        assert r.early_exits == 0
+        steps = len(r.tokens) - 1
+        assert r.target_layers == pytest.approx(steps * cfg.n_layers)
+        assert r.draft_layers == pytest.approx(steps * (draft_cost_layers(cfg, MCFG) - MCFG.branch_layer), rel=1e-5)
+        assert k >= 1
+
+
+def test_distance_exit_at_the_first_layer_costs_one_layer_per_token_and_fills_skipped_kv():
+    cfg, params, eng = engine("distance_exit", "propagate")
+    res, state = run(eng, PROMPTS, tau=0.0)
+    for i, (p, r) in enumerate(zip(PROMPTS, res)):
+        assert r.layers_per_token == pytest.approx(1.0)
+        assert r.early_exits == len(r.tokens) - 1
+        n = len(p) + len(r.tokens) - 1
+        # every layer of every generated position got K/V (propagated from the exit state)
+        k = np.asarray(state.cache["k"][:, i, len(p):n])
+        assert np.all(np.abs(k).sum(axis=(-1, -2)) > 0)
+
+
+def _complete_positions(state, row, n):
+    """Positions < n whose slow computation has finished (not waiting in the deferred window)."""
+    s = state.cache["k"].shape[2]
+    pos, prog = np.asarray(state.extra["pos"][row]), np.asarray(state.extra["prog"][row])
+    waiting = {int(p) for p, g in zip(pos, prog) if p < s and g < state.cache["k"].shape[0]}
+    return [t for t in range(n) if t not in waiting], waiting
+
+
+@pytest.mark.parametrize("method,decider,tau", [("distance_exit", "saturation", 0.5), ("m2r2_exit", "confidence", 0.3)])
+def test_deferred_kv_is_exact_once_completed(method, decider, tau):
+    cfg, params, eng = engine(method, "deferred", decider)
+    res, state = run(eng, PROMPTS, tau=tau)
+    ref = reference_cache(cfg, params, PROMPTS, res)
+    full = cfg.n_layers
+    exited = 0
+    for i, (p, r) in enumerate(zip(PROMPTS, res)):
+        exited += r.early_exits
+        n = len(p) + len(r.tokens) - 1
+        done, waiting = _complete_positions(state, i, n)
+        assert len(waiting) <= 2
+        for name in ("k", "v"):
+            np.testing.assert_allclose(np.asarray(state.cache[name][:, i, done]), np.asarray(ref[name][:, i, done]),
+                                       atol=2e-5, rtol=2e-5)
+    assert exited > 0  # some tokens really left early, so deferral and flushes were exercised
