@@ -65,8 +65,8 @@ class Budget:
 
 BUDGETS = {
     # ~15 minutes on 2 CPU cores
-    "full": Budget(dense_steps=240, moe_steps=120, draft_steps=120, distill_steps=150, router_steps=60,
-                   moe_distill_steps=60, batch_size=16, seq_len=128, n_prompts=8, prompt_len=32,
+    "full": Budget(dense_steps=200, moe_steps=80, draft_steps=100, distill_steps=120, router_steps=40,
+                   moe_distill_steps=40, batch_size=16, seq_len=128, n_prompts=8, prompt_len=32,
                    max_new_tokens=48, batch_sizes=(1, 4, 16), repeats=3, thresholds=(0.5, 0.7, 0.8, 0.9, 0.95),
                    align_batches=4, moe_prompts=4),
     # ~3 minutes: the same pipeline, smaller everything
