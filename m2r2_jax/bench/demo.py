@@ -24,7 +24,6 @@ import time
 from pathlib import Path
 
 import jax
-import numpy as np
 
 from m2r2_jax.bench import report as R
 from m2r2_jax.bench import speculative as S
@@ -33,7 +32,7 @@ from m2r2_jax.data.tokenizer import load_tokenizer
 from m2r2_jax.errors import ConfigError
 from m2r2_jax.m2r2 import analysis
 from m2r2_jax.m2r2.checkpoint import load_m2r2
-from m2r2_jax.m2r2.distill import distill, distill_config, heldout_batches
+from m2r2_jax.m2r2.distill import distill, heldout_batches
 from m2r2_jax.models.checkpoint import load_model, params_fingerprint
 from m2r2_jax.training.config import load_config_file
 from m2r2_jax.training.pretrain import pretrain

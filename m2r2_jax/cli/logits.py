@@ -16,26 +16,6 @@ flags.mark_flags_as_required(["checkpoint", "tokens", "out"])
 FLAGS = flags.FLAGS
 
 
-def read_model_config(directory):
-    """The checkpoint's ModelConfig without importing jax/orbax (same checks as
-    `checkpoint.load_config`), so bad inputs fail in well under a second."""
-    import json
-    from pathlib import Path
-
-    from m2r2_jax.errors import CheckpointError, ConfigError
-    from m2r2_jax.models.config import ModelConfig
-
-    path = Path(directory) / "model_config.json"
-    if not path.is_file():
-        raise CheckpointError(f"{directory} is not a model checkpoint: model_config.json is missing")
-    try:
-        return ModelConfig.from_dict(json.loads(path.read_text())).validate()
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{path} is not valid JSON: {e}") from None
-    except (ConfigError, TypeError) as e:
-        raise CheckpointError(f"{path}: {e}") from None
-
-
 def load_tokens(path, vocab_size: int, max_seq_len: int):
     """int32 [B, T] ids from a .npy file, checked against the model; DataError otherwise."""
     import numpy as np
@@ -117,6 +97,7 @@ def _main(argv):
     from absl import logging
 
     from m2r2_jax.errors import ConfigError, DataError
+    from m2r2_jax.models.config import read_model_config
 
     if len(argv) > 1:
         raise ConfigError(f"unexpected arguments {argv[1:]}; pass options as --flags")

@@ -10,12 +10,13 @@ The tokenizer file (`tokenizer.model`, else `tokenizer.json`) is copied as is wh
 from __future__ import annotations
 
 import json
-import os
+
 import shutil
-import tempfile
+
 from pathlib import Path
 from typing import Optional, Union
 
+from m2r2_jax.atomic import atomic_directory
 from m2r2_jax.errors import CheckpointError
 from m2r2_jax.interop.hf_config import hf_config_dict, read_config_json, config_from_hf
 from m2r2_jax.interop.safetensors_io import (DEFAULT_MAX_SHARD_SIZE, params_to_hf, parse_size, read_params,
@@ -71,19 +72,11 @@ def write_hf(cfg: ModelConfig, params, out_dir, max_shard_size: Union[int, str] 
         raise CheckpointError(f"{out} already exists (pass overwrite/--force to replace it)")
     config = hf_config_dict(cfg)  # refuses what transformers cannot express, before writing
     tensors = params_to_hf(cfg, params)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=out.name + ".tmp-", dir=out.parent))
-    try:
+    with atomic_directory(out, overwrite) as tmp:
         write_safetensors(tensors, tmp, limit)
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         if tokenizer is not None:
             shutil.copy(tokenizer, tmp / Path(tokenizer).name)
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out
 
 

@@ -10,17 +10,15 @@ Loading onto another base (different config or weights) is refused with one clea
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import jax
-import orbax.checkpoint as ocp
 
+from m2r2_jax.atomic import atomic_directory
 from m2r2_jax.errors import CheckpointError, ConfigError
 from m2r2_jax.m2r2.config import M2R2Config
 from m2r2_jax.m2r2.fast_stream import init_m2r2_params
+from m2r2_jax.models.checkpoint import restore_pytree, save_pytree
 from m2r2_jax.models.config import ModelConfig
 
 CONFIG_FILE = "m2r2_config.json"
@@ -29,24 +27,11 @@ PARAMS_DIR = "params"
 
 
 def save_m2r2(directory, mcfg: M2R2Config, params, base_cfg: ModelConfig, base_fingerprint: str, overwrite: bool = True) -> Path:
-    out = Path(directory).absolute()
-    if out.exists() and not overwrite:
-        raise CheckpointError(f"{out} already exists")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=out.name + ".tmp-", dir=out.parent))
-    try:
-        ckptr = ocp.StandardCheckpointer()
-        ckptr.save(tmp / PARAMS_DIR, jax.device_get(params))
-        ckptr.wait_until_finished()
+    with atomic_directory(directory, overwrite) as tmp:
+        save_pytree(tmp / PARAMS_DIR, params)
         (tmp / CONFIG_FILE).write_text(mcfg.to_json())
         (tmp / BASE_FILE).write_text(json.dumps({"fingerprint": base_fingerprint, "config": base_cfg.to_dict()}, indent=2))
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return out
+    return Path(directory).absolute()
 
 
 def load_m2r2_config(directory) -> M2R2Config:
@@ -78,9 +63,4 @@ def load_m2r2(directory, base_cfg: ModelConfig, base_fingerprint: str):
     except ConfigError as e:
         raise CheckpointError(f"{directory}: {e}") from None
     abstract = jax.eval_shape(lambda: init_m2r2_params(base_cfg, mcfg, jax.random.key(0)))
-    try:
-        params = ocp.StandardCheckpointer().restore(directory / PARAMS_DIR, abstract)
-    except Exception as e:  # orbax raises assorted types
-        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise CheckpointError(f"cannot restore M2R2 parameters from {directory}: {msg[:300]}") from None
-    return mcfg, jax.device_put(params)
+    return mcfg, restore_pytree(directory / PARAMS_DIR, abstract, "M2R2 parameters")

@@ -16,9 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shutil
-import tempfile
 from pathlib import Path
 from typing import Optional
 
@@ -26,11 +24,11 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from m2r2_jax.errors import CheckpointError, ConfigError
-from m2r2_jax.models.config import ModelConfig
+from m2r2_jax.atomic import atomic_directory
+from m2r2_jax.errors import CheckpointError
+from m2r2_jax.models.config import CONFIG_FILE, ModelConfig, read_model_config
 from m2r2_jax.models.transformer import init_params
 
-CONFIG_FILE = "model_config.json"
 PARAMS_DIR = "params"
 TOKENIZER_DIR = "tokenizer"
 FINGERPRINT_FILE = "fingerprint.json"
@@ -48,39 +46,34 @@ def params_fingerprint(cfg: ModelConfig, params) -> str:
 
 
 def save_model(directory, cfg: ModelConfig, params, tokenizer_file: Optional[str] = None, overwrite: bool = False) -> Path:
-    out = Path(directory).absolute()
-    if out.exists() and not overwrite:
-        raise CheckpointError(f"{out} already exists (pass overwrite/--force to replace it)")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=out.name + ".tmp-", dir=out.parent))
-    try:
-        ckptr = ocp.StandardCheckpointer()
-        ckptr.save(tmp / PARAMS_DIR, jax.device_get(params))
-        ckptr.wait_until_finished()
+    with atomic_directory(directory, overwrite) as tmp:
+        save_pytree(tmp / PARAMS_DIR, params)
         (tmp / CONFIG_FILE).write_text(cfg.to_json())
         (tmp / FINGERPRINT_FILE).write_text(json.dumps({"fingerprint": params_fingerprint(cfg, params)}))
         if tokenizer_file:
             (tmp / TOKENIZER_DIR).mkdir()
             shutil.copy(tokenizer_file, tmp / TOKENIZER_DIR / Path(tokenizer_file).name)
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return out
+    return Path(directory).absolute()
+
+
+def save_pytree(directory, tree) -> None:
+    ckptr = ocp.StandardCheckpointer()
+    ckptr.save(directory, jax.device_get(tree))
+    ckptr.wait_until_finished()
+
+
+def restore_pytree(directory, abstract, what: str):
+    """Restore an orbax pytree onto `abstract` (shapes/dtypes checked) as device arrays."""
+    try:
+        tree = ocp.StandardCheckpointer().restore(directory, abstract)
+    except Exception as e:  # orbax raises many types; the user needs one line
+        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise CheckpointError(f"cannot restore {what} from {directory.parent}: {msg[:300]}") from None
+    return jax.device_put(tree)
 
 
 def load_config(directory) -> ModelConfig:
-    path = Path(directory) / CONFIG_FILE
-    if not path.is_file():
-        raise CheckpointError(f"{directory} is not a model checkpoint: {CONFIG_FILE} is missing")
-    try:
-        return ModelConfig.from_dict(json.loads(path.read_text())).validate()
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{path} is not valid JSON: {e}") from None
-    except (ConfigError, TypeError) as e:
-        raise CheckpointError(f"{path}: {e}") from None
+    return read_model_config(directory)
 
 
 def load_fingerprint(directory) -> str:
@@ -97,12 +90,7 @@ def load_model(directory, cfg: Optional[ModelConfig] = None):
     if not (directory / PARAMS_DIR).is_dir():
         raise CheckpointError(f"{directory} is not a model checkpoint: {PARAMS_DIR}/ is missing")
     abstract = jax.eval_shape(lambda: init_params(cfg, jax.random.key(0)))
-    try:
-        params = ocp.StandardCheckpointer().restore(directory / PARAMS_DIR, abstract)
-    except Exception as e:  # orbax raises many types; the user needs one line
-        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise CheckpointError(f"cannot restore parameters from {directory}: {msg[:300]}") from None
-    return cfg, jax.device_put(params)
+    return cfg, restore_pytree(directory / PARAMS_DIR, abstract, "parameters")
 
 
 def tokenizer_path(directory) -> Optional[Path]:

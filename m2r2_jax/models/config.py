@@ -11,7 +11,7 @@ import dataclasses
 import json
 from typing import Any, Optional
 
-from m2r2_jax.errors import ConfigError  # noqa: F401  (re-exported)
+from m2r2_jax.errors import CheckpointError, ConfigError
 
 DENSE_FAMILIES = ("llama", "mistral", "qwen2", "phi3")
 MOE_FAMILIES = ("mixtral", "qwen2_moe", "olmoe")
@@ -142,3 +142,22 @@ class ModelConfig:
 
     def replace(self, **kw) -> "ModelConfig":
         return dataclasses.replace(self, **kw)
+
+
+CONFIG_FILE = "model_config.json"
+
+
+def read_model_config(directory) -> ModelConfig:
+    """The validated ModelConfig of a model checkpoint directory (no jax import: CLI verbs check
+    their inputs with it before paying for JAX start-up)."""
+    from pathlib import Path
+
+    path = Path(directory) / CONFIG_FILE
+    if not path.is_file():
+        raise CheckpointError(f"{directory} is not a model checkpoint: {CONFIG_FILE} is missing")
+    try:
+        return ModelConfig.from_dict(json.loads(path.read_text())).validate()
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{path} is not valid JSON: {e}") from None
+    except (ConfigError, TypeError) as e:
+        raise CheckpointError(f"{path}: {e}") from None

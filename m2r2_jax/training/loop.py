@@ -43,7 +43,6 @@ Behaviour
 from __future__ import annotations
 
 import dataclasses
-import math
 import signal
 import sys
 import threading

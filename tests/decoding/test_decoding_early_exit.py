@@ -70,7 +70,6 @@ def test_deferred_kv_is_exact_once_completed(method, decider, tau):
     cfg, params, eng = engine(method, "deferred", decider)
     res, state = run(eng, PROMPTS, tau=tau)
     ref = reference_cache(cfg, params, PROMPTS, res)
-    full = cfg.n_layers
     exited = 0
     for i, (p, r) in enumerate(zip(PROMPTS, res)):
         exited += r.early_exits
