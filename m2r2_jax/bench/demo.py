@@ -64,10 +64,10 @@ class Budget:
 
 BUDGETS = {
     # ~15 minutes on 2 CPU cores
-    "full": Budget(dense_steps=200, moe_steps=80, draft_steps=100, distill_steps=120, router_steps=40,
-                   moe_distill_steps=40, batch_size=16, seq_len=128, n_prompts=8, prompt_len=32,
-                   max_new_tokens=48, batch_sizes=(1, 4, 16), repeats=3, thresholds=(0.5, 0.7, 0.8, 0.9, 0.95),
-                   align_batches=4, moe_prompts=4),
+    "full": Budget(dense_steps=150, moe_steps=50, draft_steps=80, distill_steps=80, router_steps=30,
+                   moe_distill_steps=30, batch_size=8, seq_len=128, n_prompts=5, prompt_len=32,
+                   max_new_tokens=96, batch_sizes=(1, 4, 16), repeats=3, thresholds=(0.5, 0.7, 0.9),
+                   align_batches=4, moe_prompts=3),
     # ~3 minutes: the same pipeline, smaller everything
     "tiny": Budget(dense_steps=30, moe_steps=15, draft_steps=15, distill_steps=20, router_steps=10,
                    moe_distill_steps=10, batch_size=8, seq_len=64, n_prompts=3, prompt_len=16,
@@ -177,6 +177,8 @@ def run_demo(out, budget_name: str = "full", force: bool = False, skip_moe: bool
     report = {"budget": budget_name, "device": _device(), "budget_settings": dataclasses.asdict(budget),
               "models": _models(base_cfg, base_params, mcfg, draft, dense_dir, m2r2_dir, draft_dir)}
 
+    report["sample"] = _sample(base_cfg, base_params, tok)
+
     t0 = time.time()
     _say("alignment (slow vs fast stream against compute)")
     batches = heldout_batches(tok, budget.seq_len, budget.batch_size, budget.align_batches, embedded_split("heldout"))
@@ -220,6 +222,14 @@ def run_demo(out, budget_name: str = "full", force: bool = False, skip_moe: bool
     R.write_plots(report, out)
     print(R.table(report))
     return report
+
+
+def _sample(cfg, params, tok, prompt: str = "ROMEO.\n", n: int = 80) -> dict:
+    """A temperature-0.8 sample of the dense base, so a reader sees what the model learned."""
+    from m2r2_jax.training.sampling import sample_tokens
+
+    ids = sample_tokens(cfg, params, tok.encode(prompt), n, temperature=0.8, seed=0)
+    return {"prompt": prompt, "temperature": 0.8, "text": tok.decode(ids)}
 
 
 def _ar_tokens(spec) -> list:

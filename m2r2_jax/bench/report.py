@@ -69,6 +69,8 @@ def table(report: dict) -> str:
             hr = moe.get("hit_rate", {}).get(p)
             lines.append(f"  {p:<12} recall {v if isinstance(v, str) else f'{v:.3f}'}"
                          + (f"  hit rate {hr:.3f}" if isinstance(hr, float) else ""))
+    if report.get("sample"):
+        lines += ["", "sample of the dense base: " + repr(report["sample"]["prompt"] + report["sample"]["text"])[:300]]
     t = report.get("targets")
     if t:
         lines += ["", "targets: " + ", ".join(f"{k}={'met' if v['met'] else 'MISSED'}" for k, v in t.items())]

@@ -1,0 +1,77 @@
+"""Benchmark helpers: quality metrics, acceptance statistics, prompt sets, the report table."""
+
+import json
+
+import pytest
+
+from m2r2_jax.bench import report as R
+from m2r2_jax.bench.prompts import PROMPT_SETS, load_prompt_set
+from m2r2_jax.bench.speculative import acceptance_by_position, rouge_l, token_agreement
+from m2r2_jax.decoding.api import SequenceResult
+from m2r2_jax.errors import DataError
+
+
+def test_quality_metrics():
+    assert rouge_l([1, 2, 3], [1, 2, 3]) == 1.0
+    assert rouge_l([4, 5], [1, 2, 3]) == 0.0
+    # LCS 2 of 3 / 3 -> F1 2/3
+    assert rouge_l([1, 9, 3], [1, 2, 3]) == pytest.approx(2 / 3)
+    assert token_agreement([1, 9, 3, 4], [1, 2, 3]) == pytest.approx(2 / 3)
+    assert token_agreement([], [1, 2]) == 0.0
+
+
+def test_acceptance_by_position():
+    res = [SequenceResult(tokens=[0] * 9, accepted=[1, 3, 5], rounds=3, target_layers=0, draft_layers=0)]
+    # counts-1 = 0, 2, 4 accepted drafts: position 1 accepted in 2/3 rounds, 3 and 4 in 1/3
+    assert acceptance_by_position(res, 4) == pytest.approx([2 / 3, 2 / 3, 1 / 3, 1 / 3])
+    assert acceptance_by_position([SequenceResult([1], [], 0, 0, 0)], 4) == []
+
+
+@pytest.mark.parametrize("name", list(PROMPT_SETS))
+def test_shipped_prompt_sets_load(name):
+    prompts = load_prompt_set(name)
+    assert len(prompts) >= 50 and all(isinstance(p, str) and p.strip() for p in prompts)
+
+
+def test_prompt_file_and_errors(tmp_path):
+    f = tmp_path / "p.jsonl"
+    f.write_text(json.dumps({"prompt": "hi"}) + "\n" + json.dumps({"tokens": [1, 2]}) + "\n")
+    assert load_prompt_set(str(f)) == ["hi", [1, 2]]
+    f.write_text(json.dumps({"text": "x"}) + "\n")
+    with pytest.raises(DataError, match="line 1"):
+        load_prompt_set(str(f))
+    f.write_text("{not json\n")
+    with pytest.raises(DataError, match="invalid JSON"):
+        load_prompt_set(str(f))
+    with pytest.raises(DataError, match="not a prompt set"):
+        load_prompt_set("no_such_set")
+
+
+def _fake_report():
+    sweep = lambda s: [{"batch_size": 1, "tokens_per_s": 10 * s, "speedup_vs_ar": s}]
+    spec = {"ar": {"tokens_per_s": 10.0, "speedup_vs_ar": 1.0, "mean_accepted_tokens": 1.0, "efficiency": 1.0,
+                   "identical_to_ar": False, "batch_sweep": sweep(1.0)}}
+    for m, s, acc in (("m2r2_spec", 1.6, 3.0), ("distance_spec", 1.2, 2.0)):
+        spec[m] = {"tokens_per_s": 10 * s, "speedup_vs_ar": s, "mean_accepted_tokens": acc, "efficiency": 0.9,
+                   "ideal_speedup": s / 0.9, "identical_to_ar": True, "batch_sweep": sweep(s),
+                   "draft_cost_layers": 4.0, "acceptance_by_position": [0.9, 0.5],
+                   "costs": {"draft_cost_per_token": 0.3, "verify_cost_ratio": 1.4}}
+    align = {"slow_cost": [1.0, 2.0, 3.0, 4.0], "slow_agreement": [0.1, 0.2, 0.5, 1.0], "fast_cost": [2.5, 3.5],
+             "fast_agreement": [0.6, 0.8], "slow_cosine": [0.5] * 4, "fast_cosine": [0.7] * 2, "branch_layer": 1,
+             "fast_beats_slow_at_equal_compute": [True, True]}
+    ee = {"m2r2_exit": [{"threshold": 0.5, "speedup": 1.3, "rouge_l": 0.8, "agreement": 0.7, "layers_per_token": 2.0}]}
+    return {"speculative": spec, "alignment": align, "early_exit": ee}
+
+
+def test_targets_table_and_plots(tmp_path):
+    rep = _fake_report()
+    t = R.targets(rep)
+    assert t["m2r2_spec_speedup_ge_1.5"]["met"] and t["m2r2_spec_efficiency_ge_0.85"]["met"]
+    assert t["m2r2_above_distance_accepted"]["met"] and t["fast_above_slow_at_equal_compute"]["met"]
+    rep["speculative"]["m2r2_spec"]["speedup_vs_ar"] = 1.1
+    assert not R.targets(rep)["m2r2_spec_speedup_ge_1.5"]["met"]
+    rep["targets"] = R.targets(rep)
+    text = R.table(rep)
+    assert "m2r2_spec" in text and "MISSED" in text and "alignment" in text
+    written = R.write_plots(rep, tmp_path)
+    assert {p.name for p in written} == {"alignment.png", "speculative.png", "batch_sweep.png", "early_exit.png"}
