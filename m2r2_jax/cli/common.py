@@ -25,6 +25,9 @@ def run_verb(main, argv) -> None:
             fail(str(e))
         except flags.IllegalFlagValueError as e:
             fail(str(e))
+        except OSError as e:  # unreadable/unwritable paths, full disks: one line, not a traceback
+            where = f"{e.filename}: " if e.filename else ""
+            fail(f"{where}{e.strerror or e}")
         except KeyboardInterrupt:
             fail("interrupted", 130)
 

@@ -20,16 +20,6 @@ FLAGS = flags.FLAGS
 
 
 def main(argv):
-    from m2r2_jax.errors import CheckpointError
-
-    try:
-        return _main(argv)
-    except OSError as e:  # unreadable/unwritable paths, full disks: one line, not a traceback
-        where = f"{e.filename}: " if e.filename else ""
-        raise CheckpointError(f"{where}{e.strerror or e}") from None
-
-
-def _main(argv):
     from m2r2_jax.errors import ConfigError
 
     if len(argv) > 1:

@@ -82,16 +82,6 @@ def write_npy_atomic(path, array) -> None:
 
 
 def main(argv):
-    from m2r2_jax.errors import CheckpointError
-
-    try:
-        return _main(argv)
-    except OSError as e:  # unreadable/unwritable paths, full disks: one line, not a traceback
-        where = f"{e.filename}: " if e.filename else ""
-        raise CheckpointError(f"{where}{e.strerror or e}") from None
-
-
-def _main(argv):
     from pathlib import Path
 
     from absl import logging
