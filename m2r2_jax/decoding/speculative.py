@@ -44,13 +44,11 @@ def _max_prob(logits: jax.Array) -> jax.Array:
     return jnp.max(jax.nn.softmax(logits.astype(jnp.float32), axis=-1), axis=-1)
 
 
-@dataclasses.dataclass(frozen=True)
-class DistanceDrafter:
-    """Draft with base layers [0, n_layers) and the exit head. params["exit_norm_scale"], when
-    present, multiplies the final-norm weight (a learned per-exit scale)."""
+class _SelfDrafter:
+    """Drafters that run (part of) the base model itself: no state of their own, the base's
+    vocabulary, nothing to prefill beyond the shared cache. Subclasses are dataclasses with a
+    `cfg: ModelConfig` field."""
 
-    cfg: ModelConfig
-    n_layers: int
     peel_first = False
 
     @property
@@ -62,6 +60,15 @@ class DistanceDrafter:
 
     def prefill(self, params, dstate, prompts, positions):
         return dstate
+
+
+@dataclasses.dataclass(frozen=True)
+class DistanceDrafter(_SelfDrafter):
+    """Draft with base layers [0, n_layers) and the exit head. params["exit_norm_scale"], when
+    present, multiplies the final-norm weight (a learned per-exit scale)."""
+
+    cfg: ModelConfig
+    n_layers: int
 
     def step(self, params, cache, dstate, tokens, positions):
         """tokens, positions [B, 1] -> (logits [B, V], confidence [B], cache, dstate)."""
@@ -76,22 +83,11 @@ class DistanceDrafter:
 
 
 @dataclasses.dataclass(frozen=True)
-class M2R2Drafter:
+class M2R2Drafter(_SelfDrafter):
     """Draft with the M2R2 fast stream (params["m2r2"] is the M2R2 parameter tree)."""
 
     cfg: ModelConfig
     mcfg: Any  # m2r2.config.M2R2Config
-    peel_first = False
-
-    @property
-    def vocab_size(self) -> int:
-        return self.cfg.vocab_size
-
-    def init_state(self, batch: int, cache_len: int):
-        return ()
-
-    def prefill(self, params, dstate, prompts, positions):
-        return dstate
 
     def step(self, params, cache, dstate, tokens, positions):
         from m2r2_jax.m2r2.fast_stream import fast_forward
