@@ -29,6 +29,23 @@ def test_every_config_file_validates(path):
         from m2r2_jax.m2r2.distill import validate_distill
 
         validate_distill(cfg)
+    elif "rules" in cfg:  # a sharding preset
+        from m2r2_jax.sharding.rules import Rules
+
+        Rules.from_pairs(cfg.rules)
+        from m2r2_jax.sharding.mesh import parse_mesh
+
+        parse_mesh(cfg.mesh)
+    elif "axes" in cfg:  # a sweep: every run validated by launch/sweep.py
+        import importlib.util
+
+        spec = importlib.util.spec_from_file_location("sweep", ROOT / "launch" / "sweep.py")
+        sweep = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(sweep)
+        plain = sweep.apply_sets(cfg, ["fixed.base_checkpoint=/path/to/base"])
+        runs = sweep.expand(plain)
+        assert runs
+        sweep.validate(plain, runs)
     else:
         pytest.fail(f"{path}: unknown kind of config (sections {sorted(cfg)})")
 

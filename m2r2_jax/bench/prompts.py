@@ -60,9 +60,14 @@ def load_prompt_set(name_or_file: str) -> list:
             raise DataError(f"{source} line {i}: expected a JSON object")
         if generic:
             if "tokens" in rec:
-                out.append([int(t) for t in rec["tokens"]])
+                toks = rec["tokens"]
+                if not isinstance(toks, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in toks):
+                    raise DataError(f"{source} line {i}: \"tokens\" must be a list of integer ids")
+                out.append(toks)
             elif "prompt" in rec:
-                out.append(str(rec["prompt"]))
+                if not isinstance(rec["prompt"], str):
+                    raise DataError(f"{source} line {i}: \"prompt\" must be a string")
+                out.append(rec["prompt"])
             else:
                 raise DataError(f"{source} line {i}: expected a \"prompt\" or \"tokens\" field")
         else:

@@ -150,15 +150,17 @@ def compare_methods(
     batch_sizes: Sequence[int] = (1, 4, 16),
     repeats: int = 3,
     progress=None,
+    plan=None,
 ) -> dict:
-    """Greedy speculative decoding side by side with ar. Returns report["speculative"]."""
+    """Greedy speculative decoding side by side with ar. Returns report["speculative"]. `plan`:
+    run every method sharded (`sharding.ShardingPlan`, e.g. the specdec preset)."""
     width = max(len(p) for p in prompts)
     engines = {}
     for m in methods:
         if m == "two_model" and draft is None:
             continue
         engines[m] = api.build_engine(m, cfg, base_params, max_new_tokens=max_new_tokens, gamma=gamma,
-                                      m2r2=m2r2, draft=draft)
+                                      m2r2=m2r2, draft=draft, plan=plan)
     out: dict = {}
     ar_results = None
     for m, eng in engines.items():

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from absl import flags
 
+from m2r2_jax.cli import sharding_flags
+
 flags.DEFINE_string("checkpoint", None, "base model directory")
 flags.DEFINE_string("m2r2", None, "M2R2 checkpoint (omit: fresh M2R2 parameters, still lossless)")
 flags.DEFINE_string("draft_checkpoint", None, "draft model for two_model (same vocabulary)")
@@ -25,6 +27,7 @@ flags.DEFINE_list("batch_sizes", ["1", "4", "16"], "batch sizes of the throughpu
 flags.DEFINE_integer("repeats", 3, "timing repeats (median kept)", lower_bound=1)
 flags.DEFINE_string("out", None, "output directory")
 flags.mark_flags_as_required(["checkpoint", "out"])
+sharding_flags.define("specdec")
 FLAGS = flags.FLAGS
 
 
@@ -47,6 +50,7 @@ def main(argv):
 
     if len(argv) > 1:
         raise ConfigError(f"unexpected arguments {argv[1:]}; pass options as --flags")
+    plan = sharding_flags.start(FLAGS)
     try:
         batch_sizes = [int(b) for b in FLAGS.batch_sizes]
     except ValueError:
@@ -75,9 +79,9 @@ def main(argv):
     methods = ("ar",) + tuple(m for m in SPEC_METHODS if m != "two_model" or draft is not None)
     spec = compare_methods(base_cfg, base_params, prompts, max_new_tokens=FLAGS.max_new_tokens, gamma=FLAGS.gamma,
                            m2r2=(mcfg, m2r2_params), draft=draft, methods=methods, batch_sizes=batch_sizes,
-                           repeats=FLAGS.repeats, progress=lambda m: print(f"[bench] {m}", file=sys.stderr, flush=True))
+                           repeats=FLAGS.repeats, plan=plan, progress=lambda m: print(f"[bench] {m}", file=sys.stderr, flush=True))
     report = {"device": _device(), "prompts": FLAGS.prompts, "n_prompts": len(prompts),
-              "fresh_m2r2_params": fresh, "m2r2": mcfg.to_dict(), "speculative": spec}
+              "fresh_m2r2_params": fresh, "sharding": plan.describe() if plan else None, "m2r2": mcfg.to_dict(), "speculative": spec}
     report["targets"] = R.targets(report)
     out = Path(FLAGS.out)
     out.mkdir(parents=True, exist_ok=True)

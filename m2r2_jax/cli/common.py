@@ -26,8 +26,7 @@ def run_verb(main, argv) -> None:
         except flags.IllegalFlagValueError as e:
             fail(str(e))
         except OSError as e:  # unreadable/unwritable paths, full disks: one line, not a traceback
-            where = f"{e.filename}: " if e.filename else ""
-            fail(f"{where}{e.strerror or e}")
+            fail(_os_error_line(e))
         except KeyboardInterrupt:
             fail("interrupted", 130)
 
@@ -37,15 +36,40 @@ def run_verb(main, argv) -> None:
         fail(str(e))
 
 
+def _os_error_line(e: OSError) -> str:
+    from pathlib import Path
+
+    if isinstance(e, FileExistsError) and e.filename and not Path(e.filename).is_dir():
+        # mkdir of an output directory whose path runs through an existing file
+        return f"{e.filename} is a file, not a directory: cannot create an output path inside it"
+    where = f"{e.filename}: " if e.filename else ""
+    return f"{where}{e.strerror or e}"
+
+
+INT64 = (-(2 ** 63), 2 ** 63 - 1)
+
+
+def _check_integer_flags(flag_values) -> None:
+    """Integer flags end up in numpy/JAX (seeds, sizes, counts), which hold 64-bit integers: a
+    larger value is refused here, before it overflows deep inside a library."""
+    for name in flag_values:
+        flag = flag_values[name]
+        if (flag.present and flag.flag_type() == "int" and isinstance(flag.value, int)
+                and not INT64[0] <= flag.value <= INT64[1]):
+            fail(f"flag --{name}={flag.value}: out of range, expected a 64-bit integer")
+
+
 def _parse_flags(argv):
     try:
-        return flags.FLAGS(argv)
+        rest = flags.FLAGS(argv)
     except flags.Error as e:
         fail(str(e).splitlines()[0])
     except M2R2Error as e:
         fail(str(e))
     except Exception as e:  # config files that fail to load/override (ml_collections raises assorted types)
         fail(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+    _check_integer_flags(flags.FLAGS)
+    return rest
 
 
 def loaded_config(flag_values, name: str = "config"):

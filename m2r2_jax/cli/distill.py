@@ -13,11 +13,14 @@ import sys
 from pathlib import Path
 
 from absl import flags
+
+from m2r2_jax.cli import sharding_flags
 from ml_collections import config_flags
 
 config_flags.DEFINE_config_file("config", None, "distillation config, e.g. configs/m2r2/tiny_dense.py", lock_config=True)
 flags.DEFINE_string("workdir", None, "directory for stage checkpoints, TensorBoard logs and the M2R2 checkpoint")
 flags.mark_flags_as_required(["config", "workdir"])
+sharding_flags.define("train")
 FLAGS = flags.FLAGS
 
 
@@ -30,9 +33,10 @@ def main(argv):
 
     if len(argv) > 1:
         raise ConfigError(f"unexpected arguments {argv[1:]}; pass options as --flags")
+    plan = sharding_flags.start(FLAGS)
     from m2r2_jax.m2r2.distill import distill
 
-    summary = distill(loaded_config(FLAGS, "config"), Path(FLAGS.workdir))
+    summary = distill(loaded_config(FLAGS, "config"), Path(FLAGS.workdir), plan=plan)
     if summary.get("preempted"):
         print(f"m2r2: preempted; checkpoint saved in {FLAGS.workdir}; rerun the same command to resume", file=sys.stderr)
         sys.exit(143)

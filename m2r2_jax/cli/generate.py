@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from absl import flags
 
+from m2r2_jax.cli import sharding_flags
+
 flags.DEFINE_string("checkpoint", None, "base model directory")
 flags.DEFINE_string("m2r2", None, "M2R2 checkpoint directory (m2r2_spec, m2r2_exit, distance_spec's E)")
 flags.DEFINE_string("draft_checkpoint", None, "draft model directory (two_model)")
@@ -37,6 +39,7 @@ flags.DEFINE_string("out", None, "output JSONL file")
 for _name in ("max_new_tokens", "draft_checkpoint", "top_p", "batch_size", "draft_length", "kv_missing", "exit_layer"):
     flags.DEFINE_alias(_name.replace("_", "-"), _name)
 flags.mark_flags_as_required(["checkpoint", "prompts", "out"])
+sharding_flags.define("specdec")
 FLAGS = flags.FLAGS
 
 
@@ -52,7 +55,11 @@ def read_prompts(path, tokenizer):
     if not p.is_file():
         raise DataError(f"prompts file {path} does not exist")
     prompts, where_all = [], []
-    for i, line in enumerate(p.read_text(encoding="utf-8").splitlines(), start=1):
+    try:
+        text = p.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise DataError(f"prompts file {path} is not UTF-8 text") from None
+    for i, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
             continue
         where = f"{path}:{i}"
@@ -123,6 +130,7 @@ def main(argv):
     if not (0.0 <= FLAGS.tau <= 1.0):
         raise ConfigError(f"--tau={FLAGS.tau} is invalid: expected a value in [0, 1]")
     Sampling(FLAGS.temperature, FLAGS.top_p).validate()
+    plan = sharding_flags.start(FLAGS)
     if FLAGS.method == "two_model" and not FLAGS.draft_checkpoint:
         raise ConfigError("--method=two_model needs --draft-checkpoint")
 
@@ -139,7 +147,7 @@ def main(argv):
     draft = load_model(FLAGS.draft_checkpoint) if FLAGS.method == "two_model" else None
     _, params = load_model(FLAGS.checkpoint, cfg)
     eos = tokenizer.eos_id if tokenizer is not None else None
-    results = api.generate(FLAGS.method, cfg, params, prompts, max_new_tokens=FLAGS.max_new_tokens,
+    results = api.generate(FLAGS.method, cfg, params, prompts, plan=plan, max_new_tokens=FLAGS.max_new_tokens,
                            temperature=FLAGS.temperature, top_p=FLAGS.top_p, seed=FLAGS.seed,
                            batch_size=FLAGS.batch_size, gamma=FLAGS.gamma, draft_length=FLAGS.draft_length,
                            tau=FLAGS.tau, eos_id=eos, m2r2=m2r2, draft=draft, exit_layer=FLAGS.exit_layer,

@@ -21,6 +21,7 @@ VERBS = {
     "generate": ("generate", "generate with ar, speculative or early-exit decoding"),
     "bench": ("bench", "speculative-decoding benchmark on prompt sets"),
     "moe-bench": ("moe_bench", "MoE ahead-of-time expert loading benchmark"),
+    "aot-check": ("aot_check", "compile sharded programs ahead of time: do they fit the devices?"),
     "demo": ("demo", "the main job: train, distill, measure, report (make demo)"),
 }
 

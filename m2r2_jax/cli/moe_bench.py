@@ -36,6 +36,29 @@ flags.mark_flags_as_required(["checkpoint", "prompts", "out"])
 FLAGS = flags.FLAGS
 
 
+def check_inputs(cfg, prompts) -> None:
+    """The flag and prompt checks the benchmark would otherwise make minutes into its run."""
+    from m2r2_jax.errors import ConfigError, DataError
+    from m2r2_jax.moe_offload import platforms as P
+
+    k, n_experts = cfg.n_experts_per_tok, cfg.n_experts
+    if FLAGS.capacity and not k <= FLAGS.capacity <= n_experts:
+        raise ConfigError(f"--capacity={FLAGS.capacity} is invalid: expected 0 (2 x top_k) or top_k={k} .. "
+                          f"n_experts={n_experts}")
+    for name in FLAGS.shapes:
+        P.get_shape(name)
+    for name in FLAGS.platforms:
+        P.get_platform(name)
+    if not FLAGS.shapes or not FLAGS.platforms:
+        raise ConfigError("--shapes and --platforms need at least one name each")
+    for i, p in enumerate(prompts, 1):
+        if min(p) < 0 or max(p) >= cfg.vocab_size:
+            raise DataError(f"{FLAGS.prompts}: prompt {i} has a token id outside the vocabulary [0, {cfg.vocab_size})")
+        if len(p) + FLAGS.max_new_tokens > cfg.max_seq_len:
+            raise DataError(f"{FLAGS.prompts}: prompt {i} has {len(p)} tokens; with --max_new_tokens="
+                            f"{FLAGS.max_new_tokens} that exceeds the model's max_seq_len={cfg.max_seq_len}")
+
+
 def main(argv):
     from absl import logging
 
@@ -57,6 +80,7 @@ def main(argv):
         raise ConfigError(f"{FLAGS.checkpoint} is a dense {cfg.family} model; moe-bench needs a MoE base (n_experts > 0)")
     tok_file = tokenizer_path(FLAGS.checkpoint)
     prompts = load_prompts(FLAGS.prompts, load_tokenizer(tok_file) if tok_file else None, FLAGS.max_prompts)
+    check_inputs(cfg, prompts)  # every input problem surfaces before the model is loaded or a line is printed
     cfg, params = load_model(FLAGS.checkpoint, cfg)
     fresh = FLAGS.m2r2 is None
     if fresh:

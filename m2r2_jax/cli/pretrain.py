@@ -14,11 +14,14 @@ import sys
 from pathlib import Path
 
 from absl import flags
+
+from m2r2_jax.cli import sharding_flags
 from ml_collections import config_flags
 
 config_flags.DEFINE_config_file("config", None, "config file, e.g. configs/models/tiny_dense.py", lock_config=True)
 flags.DEFINE_string("workdir", None, "directory for checkpoints, TensorBoard logs, tokenizer and the exported model")
 flags.mark_flags_as_required(["config", "workdir"])
+sharding_flags.define("train")
 FLAGS = flags.FLAGS
 
 
@@ -26,29 +29,18 @@ def main(argv):
     from absl import logging
 
     logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO
+    from m2r2_jax.cli.common import loaded_config
     from m2r2_jax.errors import ConfigError
 
     if len(argv) > 1:
         raise ConfigError(f"unexpected arguments {argv[1:]}; pass options as --flags")
+    plan = sharding_flags.start(FLAGS)
     from m2r2_jax.training.pretrain import pretrain
 
-    summary = pretrain(_loaded_config(), Path(FLAGS.workdir))
+    summary = pretrain(loaded_config(FLAGS, "config"), Path(FLAGS.workdir), plan=plan)
     if summary["preempted"]:
         print(f"m2r2: preempted at step {summary['step']}; checkpoint saved in {FLAGS.workdir}; "
               "rerun the same command to resume", file=sys.stderr)
         sys.exit(143)
     print(json.dumps(summary, indent=2))
 
-
-def _loaded_config():
-    """FLAGS.config, with a failure to load the file turned into one clear line."""
-    from m2r2_jax.errors import ConfigError
-
-    path = config_flags.get_config_filename(FLAGS["config"])
-    if not Path(path).is_file():
-        raise ConfigError(f"config file {path} does not exist")
-    try:
-        return FLAGS.config
-    except Exception as e:  # ml_collections re-raises the file's own error (any type) on access
-        lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
-        raise ConfigError(f"cannot load config file {path}: {lines[-1] if lines else type(e).__name__}") from None

@@ -40,4 +40,21 @@ def main(argv):
     ids = sample_tokens(cfg, params, prompt_ids, FLAGS.max_new_tokens, FLAGS.temperature, FLAGS.seed, tok.eos_id)
     if ids and ids[-1] == tok.eos_id:
         ids = ids[:-1]
-    print(FLAGS.prompt + tok.decode(ids))
+    print(FLAGS.prompt + decode_in_vocab(tok, ids))
+
+
+def decode_in_vocab(tok, ids) -> str:
+    """Text of `ids`; ids past the tokenizer's pieces (a model vocabulary padded beyond the
+    tokenizer's, as converted checkpoints often have) have no text and show as U+FFFD."""
+    text, run = [], []
+    for i in ids:
+        if 0 <= i < tok.vocab_size:
+            run.append(i)
+            continue
+        if run:
+            text.append(tok.decode(run))
+            run = []
+        text.append("\ufffd")
+    if run:
+        text.append(tok.decode(run))
+    return "".join(text)

@@ -47,6 +47,7 @@ from m2r2_jax.decoding.loop import GenState, prefill, run_rounds
 from m2r2_jax.decoding.sampling import Sampling
 from m2r2_jax.errors import ConfigError, DataError
 from m2r2_jax.models.config import ModelConfig
+from m2r2_jax.sharding.plan import maybe_scope
 
 METHODS = ("ar", "m2r2_spec", "distance_spec", "two_model", "m2r2_exit", "distance_exit")
 SPEC_METHODS = ("m2r2_spec", "distance_spec", "two_model")
@@ -93,6 +94,7 @@ class EngineSpec:
     eos_id: int = NO_EOS
     drafter: Any = None  # speculative drafters (speculative.py) or the early-exit runner
     accept_fn: Optional[Callable] = None  # override of the rejection rule (tests of the tests)
+    sharding: Any = None  # a sharding.ShardingPlan (e.g. the specdec preset), or None: one device
 
     @property
     def commit_width(self) -> int:
@@ -128,11 +130,60 @@ def _prefill(spec: EngineSpec, params, prompts, lengths, keys, valid) -> GenStat
                    extra=extra)
 
 
-@functools.partial(jax.jit, static_argnums=0)
-def run_batch(spec: EngineSpec, params, prompts, lengths, keys, valid, tau) -> GenState:
-    """Prefill + the whole generation loop for one padded batch, in one compiled program."""
-    st = _prefill(spec, params, prompts, lengths, keys, valid)
-    return run_rounds(_round_fn(spec, params, tau), st, spec.max_new)
+def _run_batch(spec: EngineSpec, params, prompts, lengths, keys, valid, tau) -> GenState:
+    with maybe_scope(spec.sharding):  # traced with the plan's activation constraints, if any
+        st = _prefill(spec, params, prompts, lengths, keys, valid)
+        return run_rounds(_round_fn(spec, params, tau), st, spec.max_new)
+
+
+# Prefill + the whole generation loop for one padded batch, in one compiled program.
+run_batch = functools.partial(jax.jit, static_argnums=0)(_run_batch)
+
+
+def _sharded_runner(engine: "Engine", batch: int, width: int):
+    """`run_batch` for a sharded engine, compiled once per batch shape (see `sharded_jit`)."""
+    key = (batch, width)
+    if key not in engine.compiled:
+        engine.compiled[key] = sharded_jit(engine.spec, engine.params, engine.param_shardings, batch, width)
+    return engine.compiled[key]
+
+
+def sharded_jit(spec: EngineSpec, params, param_shardings, batch: int, width: int):
+    """`run_batch` under `spec.sharding` as a `jax.jit` with explicit in/out shardings:
+    parameters by their logical axes, prompts and per-sequence state over the batch axes, the KV
+    cache by (batch, kv heads). `params` may be abstract (ShapeDtypeStructs: ahead-of-time
+    checks). Keys travel as raw key data (global arrays of typed keys cannot be built from host
+    data on every platform)."""
+    plan = spec.sharding
+    rows = plan.sharding(("batch",))
+
+    def body(params, prompts, lengths, key_data, valid, tau):
+        return _run_batch(spec, params, prompts, lengths, jax.random.wrap_key_data(key_data), valid, tau)
+
+    abstract = jax.eval_shape(body, params, *abstract_batch(batch, width), jnp.float32(0))
+    return jax.jit(body, in_shardings=(param_shardings, rows, rows, rows, rows, plan.replicated),
+                   out_shardings=state_shardings(plan, abstract, batch))
+
+
+def abstract_batch(batch: int, width: int):
+    return (jax.ShapeDtypeStruct((batch, width), jnp.int32), jax.ShapeDtypeStruct((batch,), jnp.int32),
+            jax.ShapeDtypeStruct((batch, 2), jnp.uint32), jax.ShapeDtypeStruct((batch,), jnp.bool_))
+
+
+def state_shardings(plan, abstract: GenState, batch: int):
+    """Per-leaf shardings of a generation state: 5-D leaves are KV caches (layers, batch, length,
+    kv heads, head_dim); other leaves with a leading batch dimension split over the batch axes;
+    the rest replicated."""
+    from m2r2_jax.models.transformer import CACHE_AXES
+
+    def pick(x):
+        if x.ndim == 5:
+            return plan.fitted_sharding(CACHE_AXES, x.shape)
+        if x.ndim >= 1 and x.shape[0] == batch:
+            return plan.fitted_sharding(("batch",), x.shape)
+        return plan.replicated
+
+    return jax.tree.map(pick, abstract)
 
 
 # Separately jitted pieces for benchmarks (time the draft and the verify pass on their own).
@@ -210,6 +261,8 @@ def distance_exit_layer(cfg: ModelConfig, mcfg) -> int:
 class Engine:
     spec: EngineSpec
     params: Any  # {"base": ..., "m2r2": ..., "draft": ..., "exit_norm_scale": ...}
+    param_shardings: Any = None  # sharded engines: NamedSharding per leaf of params
+    compiled: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
 
 def build_engine(
@@ -231,8 +284,11 @@ def build_engine(
     kv_missing: str = "propagate",
     deferred_window: int = 8,
     accept_fn: Optional[Callable] = None,
+    plan=None,
 ) -> Engine:
-    """Validate the options and assemble the static spec + parameter tree of one method."""
+    """Validate the options and assemble the static spec + parameter tree of one method. With a
+    `plan` (`sharding.ShardingPlan`, e.g. the specdec preset) the parameters are placed on its
+    mesh by their logical axes and every batch runs sharded (same tokens as unsharded)."""
     if method not in METHODS:
         raise ConfigError(f"method={method!r} is invalid: expected one of {', '.join(METHODS)}")
     if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens <= 0:
@@ -281,8 +337,15 @@ def build_engine(
     spec = EngineSpec(method=method, cfg=cfg, sampling=sampling, max_new=int(max_new_tokens),
                       gamma=int(gamma) if method in SPEC_METHODS else 1,
                       dynamic=(draft_length == "dynamic" and method in SPEC_METHODS),
-                      eos_id=NO_EOS if eos_id is None else int(eos_id), drafter=drafter, accept_fn=accept_fn)
-    return Engine(spec, params)
+                      eos_id=NO_EOS if eos_id is None else int(eos_id), drafter=drafter, accept_fn=accept_fn,
+                      sharding=plan)
+    if plan is None:
+        return Engine(spec, params)
+    from m2r2_jax.sharding.params import param_shardings, put_global
+
+    shardings = {k: (jax.tree.map(lambda _: plan.replicated, v) if k == "exit_norm_scale"
+                     else param_shardings(plan, v)) for k, v in params.items()}
+    return Engine(spec, put_global(params, shardings), shardings)
 
 
 # --------------------------------------------------------------------------------------------
@@ -326,8 +389,12 @@ def sequence_keys(seed: int, line_numbers: Sequence[int]) -> jax.Array:
 
 
 def results_from_state(st: GenState, n: int) -> list:
-    return jax.device_get(
-        (st.out, st.n_gen, st.accepted, st.n_rounds, st.target_layers, st.draft_layers, st.early_exits))
+    fields = (st.out, st.n_gen, st.accepted, st.n_rounds, st.target_layers, st.draft_layers, st.early_exits)
+    if jax.process_count() > 1:  # rows live on other hosts' devices too
+        from jax.experimental import multihost_utils
+
+        return tuple(np.asarray(multihost_utils.process_allgather(f, tiled=True)) for f in fields)
+    return jax.device_get(fields)
 
 
 def run_engine(engine: Engine, prompts: Sequence[Sequence[int]], *, seed: int = 0,
@@ -345,6 +412,9 @@ def run_engine(engine: Engine, prompts: Sequence[Sequence[int]], *, seed: int = 
     line_numbers = list(range(len(prompts))) if line_numbers is None else list(line_numbers)
     if not fixed_batch:
         batch_size = min(int(batch_size), max(1, len(prompts)))
+    if spec.sharding is not None:  # whole rows per device: pad the batch with idle rows
+        n = spec.sharding.axis_size("batch")
+        batch_size = -(-batch_size // n) * n
     width = width or max(len(p) for p in prompts)
     results, states = [], []
     for start in range(0, len(prompts), batch_size):
@@ -352,8 +422,15 @@ def run_engine(engine: Engine, prompts: Sequence[Sequence[int]], *, seed: int = 
         toks, lengths, valid = pad_batch(chunk, batch_size, width)
         lines = line_numbers[start:start + batch_size]
         lines = lines + [0] * (batch_size - len(lines))
-        st = run_batch(spec, engine.params, toks, lengths, sequence_keys(seed, lines), valid,
-                       jnp.float32(tau))
+        keys = sequence_keys(seed, lines)
+        if spec.sharding is None:
+            st = run_batch(spec, engine.params, toks, lengths, keys, valid, jnp.float32(tau))
+        else:
+            from m2r2_jax.sharding.params import put_global
+
+            rows = spec.sharding.sharding(("batch",))
+            batch = put_global((toks, lengths, jax.random.key_data(keys), valid), (rows,) * 4)
+            st = _sharded_runner(engine, batch_size, width)(engine.params, *batch, jnp.float32(tau))
         out, n_gen, acc, rounds, tl, dl, ee = results_from_state(st, len(chunk))
         for i in range(len(chunk)):
             results.append(SequenceResult(
@@ -390,6 +467,7 @@ def generate(
     exit_layer: Optional[int] = None,
     decider: str = "confidence",
     kv_missing: str = "propagate",
+    plan=None,
 ) -> list:
     """Generate continuations of token prompts with one method; returns one `SequenceResult` per
     prompt, in order (see the module docstring for the fields).
@@ -401,7 +479,7 @@ def generate(
     """
     engine = build_engine(method, cfg, base_params, max_new_tokens=max_new_tokens, temperature=temperature,
                           top_p=top_p, gamma=gamma, draft_length=draft_length, eos_id=eos_id, m2r2=m2r2,
-                          draft=draft, exit_layer=exit_layer, decider=decider, kv_missing=kv_missing)
+                          draft=draft, exit_layer=exit_layer, decider=decider, kv_missing=kv_missing, plan=plan)
     if line_numbers is not None and len(line_numbers) != len(prompts):
         raise ConfigError(f"line_numbers has {len(line_numbers)} entries for {len(prompts)} prompts")
     if not len(prompts):

@@ -29,8 +29,8 @@ class Sampling:
     top_p: float = 1.0
 
     def validate(self) -> "Sampling":
-        if not (self.temperature >= 0.0):
-            raise ConfigError(f"temperature={self.temperature!r} is invalid: expected >= 0")
+        if not (0.0 <= self.temperature < float("inf")):
+            raise ConfigError(f"temperature={self.temperature!r} is invalid: expected a finite number >= 0")
         if not (0.0 < self.top_p <= 1.0):
             raise ConfigError(f"top_p={self.top_p!r} is invalid: expected a value in (0, 1]")
         return self

@@ -51,7 +51,12 @@ def load_m2r2(directory, base_cfg: ModelConfig, base_fingerprint: str):
     base_file = directory / BASE_FILE
     if not base_file.is_file():
         raise CheckpointError(f"{directory} is not an M2R2 checkpoint: {BASE_FILE} is missing")
-    meta = json.loads(base_file.read_text())
+    try:
+        meta = json.loads(base_file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{base_file} is not valid JSON: {e}") from None
+    if not isinstance(meta, dict):
+        raise CheckpointError(f"{base_file} is not valid: expected a JSON object")
     if meta.get("config") != json.loads(base_cfg.to_json()):
         raise CheckpointError(f"M2R2 checkpoint {directory} was trained on a different base architecture")
     if meta.get("fingerprint") != base_fingerprint:

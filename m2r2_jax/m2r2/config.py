@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-from typing import Any
+from typing import Any, Optional
 
 from m2r2_jax.errors import ConfigError
 from m2r2_jax.models.config import ModelConfig
@@ -47,25 +47,32 @@ class M2R2Config:
         """LoRA targets that exist on this base (routed experts get no LoRA: see moe_fast_mlp)."""
         return tuple(t for t in self.lora_targets if not (base.is_moe and t not in ATTN_TARGETS))
 
-    def validate(self, base: ModelConfig) -> "M2R2Config":
+    def validate(self, base: Optional[ModelConfig] = None) -> "M2R2Config":
+        """Check every field; those that depend on the base model (branch_layer, n_steps) only
+        when `base` is given."""
         def fail(field, value, allowed):
             raise ConfigError(f"m2r2.{field}={value!r} is invalid: {allowed}")
 
-        n = base.n_layers
-        if not isinstance(self.branch_layer, int) or not (0 <= self.branch_layer < n):
-            fail("branch_layer", self.branch_layer, f"expected 0 <= branch_layer < n_layers={n}")
         if not isinstance(self.rate, int) or self.rate < 1:
             fail("rate", self.rate, "expected an integer >= 1")
         if self.schedule not in SCHEDULES:
             fail("schedule", self.schedule, f"expected one of {', '.join(SCHEDULES)}")
         if self.schedule == "strided" and self.rate < 2 and not self.n_steps:
             fail("rate", self.rate, "the strided schedule needs rate >= 2 (rate 1 is the slow stream)")
-        span = n - self.branch_layer
-        if self.n_steps < 0 or self.n_steps > span:
-            fail("n_steps", self.n_steps, f"expected 0 (auto) .. n_layers - branch_layer = {span}")
-        if self.schedule == "strided" and self.n_steps and self.n_steps * self.rate < span:
-            fail("n_steps", self.n_steps,
-                 f"rate {self.rate} x {self.n_steps} steps covers {self.n_steps * self.rate} of the {span} layers after the branch")
+        if not isinstance(self.branch_layer, int) or self.branch_layer < 0:
+            fail("branch_layer", self.branch_layer, "expected an integer >= 0")
+        if not isinstance(self.n_steps, int) or self.n_steps < 0:
+            fail("n_steps", self.n_steps, "expected 0 (auto) or a positive integer")
+        if base is not None:
+            n = base.n_layers
+            if not (0 <= self.branch_layer < n):
+                fail("branch_layer", self.branch_layer, f"expected 0 <= branch_layer < n_layers={n}")
+            span = n - self.branch_layer
+            if self.n_steps > span:
+                fail("n_steps", self.n_steps, f"expected 0 (auto) .. n_layers - branch_layer = {span}")
+            if self.schedule == "strided" and self.n_steps and self.n_steps * self.rate < span:
+                fail("n_steps", self.n_steps,
+                     f"rate {self.rate} x {self.n_steps} steps covers {self.n_steps * self.rate} of the {span} layers after the branch")
         if not isinstance(self.lora_rank, int) or self.lora_rank <= 0:
             fail("lora_rank", self.lora_rank, "expected a positive integer")
         if not (self.lora_alpha > 0):

@@ -47,6 +47,9 @@ M2R2_DIR = "m2r2"
 def m2r2_section(**overrides) -> ml_collections.ConfigDict:
     d = M2R2Config().to_dict()
     d.update(overrides)
+    # a tuple, so that --config.m2r2.lora_targets="('q_proj','v_proj')" can override it (ml_collections
+    # refuses command-line overrides of list fields)
+    d["lora_targets"] = tuple(d["lora_targets"])
     return ml_collections.ConfigDict(d)
 
 
@@ -79,8 +82,7 @@ def validate_distill(cfg, base_cfg=None) -> tuple:
         lcfg = L.LossConfig(**cfg.loss.to_dict()).validate()
     except TypeError as e:
         raise ConfigError(f"bad m2r2/loss section: {e}") from None
-    if base_cfg is not None:
-        mcfg.validate(base_cfg)
+    mcfg.validate(base_cfg)  # base-dependent fields only when the base is known
     validate_train(cfg.train)
     if cfg.schedule == "two_stage":
         validate_train(cfg.router_train)
@@ -102,11 +104,12 @@ def _loss_fn(base_cfg, mcfg, lcfg, seq_len):
     return loss_fn
 
 
-def _stage(tcfg, workdir, base_cfg, mcfg, lcfg, base_params, m2r2_params, stage, data_iter, seq_len, seed, prefix):
+def _stage(tcfg, workdir, base_cfg, mcfg, lcfg, base_params, m2r2_params, stage, data_iter, seq_len, seed, prefix,
+           plan=None):
     trainable, rest = L.split_params(m2r2_params, stage)
     result = train(tcfg, workdir, trainable, (base_params, rest), _loss_fn(base_cfg, mcfg, lcfg, seq_len), data_iter,
                    rng=jax.random.key(seed), metrics_prefix=prefix,
-                   tokens_per_batch=lambda b: int(np.prod(np.shape(b)[:1])) * seq_len)
+                   tokens_per_batch=lambda b: int(np.prod(np.shape(b)[:1])) * seq_len, plan=plan)
     return {**rest, **jax.device_get(result.trainable)}, result
 
 
@@ -124,7 +127,8 @@ def _summarize(result) -> dict:
     return out
 
 
-def distill(cfg, workdir) -> dict:
+def distill(cfg, workdir, plan=None) -> dict:
+    """`plan`: a `sharding.ShardingPlan` for both stages (None: data parallel, see `loop.train`)."""
     workdir = Path(workdir).absolute()
     if not cfg.base_checkpoint:
         raise ConfigError("base_checkpoint='' is invalid: expected the base model directory (--config.base_checkpoint=DIR)")
@@ -149,7 +153,7 @@ def distill(cfg, workdir) -> dict:
     first = "joint" if cfg.schedule == "joint" else "stream"
     data_iter, _ = lm_pipeline(cfg.data, tok, cfg.train.batch_size, cfg.data.seed)
     m2r2_params, res = _stage(cfg.train, workdir / "stream", base_cfg, mcfg, lcfg, base_params, m2r2_params, first,
-                              data_iter, seq_len, cfg.seed, f"distill_{first}")
+                              data_iter, seq_len, cfg.seed, f"distill_{first}", plan)
     summary[first] = _summarize(res)
     if res.preempted:
         summary["preempted"] = True
@@ -157,7 +161,7 @@ def distill(cfg, workdir) -> dict:
     if cfg.schedule == "two_stage":
         data_iter, _ = lm_pipeline(cfg.data, tok, cfg.router_train.batch_size, cfg.data.seed + 1)
         m2r2_params, res = _stage(cfg.router_train, workdir / "router", base_cfg, mcfg, lcfg, base_params, m2r2_params,
-                                  "router", data_iter, seq_len, cfg.seed + 1, "distill_router")
+                                  "router", data_iter, seq_len, cfg.seed + 1, "distill_router", plan)
         summary["router"] = _summarize(res)
         if res.preempted:
             summary["preempted"] = True

@@ -29,6 +29,7 @@ The M2R2 parameters are their own pytree, stacked over the K steps:
 
 from __future__ import annotations
 
+from functools import partial
 from typing import NamedTuple, Optional
 
 import jax
@@ -78,7 +79,14 @@ def adapter_shapes(base: ModelConfig, mcfg: M2R2Config) -> dict:
 
 
 def init_m2r2_params(base: ModelConfig, mcfg: M2R2Config, rng: jax.Array) -> dict:
+    """Fresh M2R2 parameters, compiled as one program (op by op, the small initialisers would
+    each compile on their own)."""
     mcfg.validate(base)
+    return _init_m2r2_params(base, mcfg, rng)
+
+
+@partial(jax.jit, static_argnums=(0, 1))
+def _init_m2r2_params(base: ModelConfig, mcfg: M2R2Config, rng: jax.Array) -> dict:
     k, d, r = mcfg.steps(base), base.d_model, mcfg.lora_rank
     rngs = iter(jax.random.split(rng, 16))
     adapters = {}

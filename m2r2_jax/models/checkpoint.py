@@ -80,7 +80,13 @@ def load_fingerprint(directory) -> str:
     path = Path(directory) / FINGERPRINT_FILE
     if not path.is_file():
         raise CheckpointError(f"{directory} has no {FINGERPRINT_FILE}")
-    return json.loads(path.read_text())["fingerprint"]
+    try:
+        fingerprint = json.loads(path.read_text())["fingerprint"]
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError):
+        raise CheckpointError(f"{path} is not a valid fingerprint file") from None
+    if not isinstance(fingerprint, str):
+        raise CheckpointError(f"{path} is not a valid fingerprint file")
+    return fingerprint
 
 
 def load_model(directory, cfg: Optional[ModelConfig] = None):

@@ -26,9 +26,16 @@ import jax.numpy as jnp
 
 from m2r2_jax.models.config import ModelConfig
 from m2r2_jax.models.layers import DecoderLayer, Embedder, RMSNorm, attend, attention_mask, dtype_of
+from m2r2_jax.sharding.plan import constrain
 
 Params = dict
 Cache = dict
+
+# Logical axes of activations and the cache (see m2r2_jax/sharding/rules.py); `constrain` is the
+# identity unless a sharding plan is in scope.
+HIDDEN_AXES = ("batch", "length", "act_embed")
+LOGITS_AXES = ("batch", "length", "act_vocab")
+CACHE_AXES = ("layers", "cache_batch", "cache_length", "cache_heads", "head_dim")
 
 
 class ForwardAux(NamedTuple):
@@ -71,7 +78,7 @@ def init_cache(cfg: ModelConfig, batch: int, max_len: Optional[int] = None, dtyp
     s = max_len or cfg.max_seq_len
     shape = (cfg.n_layers, batch, s, cfg.n_kv_heads, cfg.head_dim)
     dt = dtype or dtype_of(cfg.dtype)
-    return {"k": jnp.zeros(shape, dt), "v": jnp.zeros(shape, dt)}
+    return {"k": constrain(jnp.zeros(shape, dt), CACHE_AXES), "v": constrain(jnp.zeros(shape, dt), CACHE_AXES)}
 
 
 def layer_params(params: Params, layer: int) -> Params:
@@ -84,7 +91,7 @@ def cache_write(cache: Cache, layer, positions: jax.Array, k: jax.Array, v: jax.
     b = jnp.arange(k.shape[0])[:, None]
     new_k = cache["k"].at[layer, b, positions].set(k.astype(cache["k"].dtype), mode="drop")
     new_v = cache["v"].at[layer, b, positions].set(v.astype(cache["v"].dtype), mode="drop")
-    return {"k": new_k, "v": new_v}
+    return {"k": constrain(new_k, CACHE_AXES), "v": constrain(new_v, CACHE_AXES)}
 
 
 # --------------------------------------------------------------------------------------------
@@ -93,7 +100,7 @@ def cache_write(cache: Cache, layer, positions: jax.Array, k: jax.Array, v: jax.
 def embed(cfg: ModelConfig, params: Params, tokens: jax.Array) -> jax.Array:
     pd = dtype_of(cfg.param_dtype)
     x = Embedder(cfg.vocab_size, cfg.d_model, pd).apply({"params": params["embed"]}, tokens, method="encode")
-    return x.astype(dtype_of(cfg.dtype))
+    return constrain(x.astype(dtype_of(cfg.dtype)), HIDDEN_AXES)
 
 
 def head(cfg: ModelConfig, params: Params, h: jax.Array, norm_scale: Optional[jax.Array] = None) -> jax.Array:
@@ -108,7 +115,7 @@ def head(cfg: ModelConfig, params: Params, h: jax.Array, norm_scale: Optional[ja
         logits = Embedder(cfg.vocab_size, cfg.d_model, pd).apply({"params": params["embed"]}, hn, method="decode")
     else:
         logits = hn @ params["lm_head"]["kernel"].astype(hn.dtype)
-    return logits.astype(jnp.float32)
+    return constrain(logits.astype(jnp.float32), LOGITS_AXES)
 
 
 def layer_forward(
@@ -161,6 +168,7 @@ def run_layers(
         h, c = carry
         lp, idx = inp
         h, c, rl = layer_forward(cfg, lp, h, positions, c, idx)
+        h = constrain(h, HIDDEN_AXES)
         ys = (h if collect else None, rl if (collect and cfg.is_moe) else None)
         return (h, c), ys
 

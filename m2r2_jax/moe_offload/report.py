@@ -368,8 +368,12 @@ def load_prompts(path, tokenizer=None, max_prompts: Optional[int] = None) -> lis
     p = Path(path)
     if not p.is_file():
         raise DataError(f"prompts file {path} does not exist")
+    try:
+        text = p.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise DataError(f"prompts file {path} is not UTF-8 text (invalid byte at offset {e.start})") from None
     out = []
-    for n, line in enumerate(p.read_text().splitlines(), 1):
+    for n, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
         try:

@@ -21,8 +21,11 @@ Behaviour
 ---------
 - Optimiser: AdamW (decay on >= 2-D leaves only) with a linear-warmup cosine schedule down to
   `learning_rate * min_lr_ratio`, after global-norm clipping.
-- The step is `jax.jit`-compiled once, with the train state donated. With `data_parallel` the
-  batch is sharded over a 1-D "data" mesh of all devices and the state is replicated.
+- The step is `jax.jit`-compiled once with explicit in/out shardings and the train state donated.
+  `plan` (a `sharding.ShardingPlan`, e.g. the `train` preset on `--mesh data=2,fsdp=2,tensor=2`)
+  shards the batch, the frozen tree, the trainable parameters and the optimiser state by their
+  logical axes; without one the batch is split over every device (`data_parallel`, else one) and
+  everything else replicated. Checkpoints restore onto the current plan, whatever mesh wrote them.
 - Checkpoints: an orbax `CheckpointManager` in `workdir/checkpoints` keeps the newest
   `keep_checkpoints` steps, saving the first step of a run, every `checkpoint_every` steps and
   at the end (async by default). Each holds the train state (step, params, optimiser state, rng,
@@ -55,9 +58,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import orbax.checkpoint as ocp
-from jax.sharding import NamedSharding, PartitionSpec as P
 
 from m2r2_jax.errors import ConfigError, M2R2Error
+from m2r2_jax.sharding.params import follow_params, param_shardings, put_global
+from m2r2_jax.sharding.plan import ShardingPlan
 
 CHECKPOINT_DIR = "checkpoints"
 TB_DIR = "tb"
@@ -138,6 +142,40 @@ def make_step(loss_fn: LossFn, tx, schedule):
         return new_state, out
 
     return step_fn
+
+
+# --------------------------------------------------------------------------------------------
+# Sharding
+# --------------------------------------------------------------------------------------------
+def default_plan(tcfg) -> ShardingPlan:
+    """No plan given: the train preset with the batch over every device (`train.data_parallel`)
+    or on the first device only."""
+    devices = jax.devices() if tcfg.data_parallel else jax.devices()[:1]
+    return ShardingPlan.from_preset("train", mesh=f"data={len(devices)}", devices=devices)
+
+
+def state_shardings(plan: ShardingPlan, state: dict, by_axes: bool = True) -> dict:
+    """Parameters by their logical axes (or replicated), optimiser moments like their
+    parameters, counters and the rng replicated."""
+    params = state["params"]
+    params_sh = param_shardings(plan, params) if by_axes else jax.tree.map(lambda _: plan.replicated, params)
+    return {
+        "step": plan.replicated,
+        "params": params_sh,
+        "opt_state": follow_params(plan, state["opt_state"], params, params_sh),
+        "rng": plan.replicated,
+        "skipped": plan.replicated,
+    }
+
+
+def _in_scope(plan: ShardingPlan, fn):
+    """`fn` traced with the plan in scope, so the model's activation constraints apply."""
+
+    def scoped(*args):
+        with plan.scope():
+            return fn(*args)
+
+    return scoped
 
 
 # --------------------------------------------------------------------------------------------
@@ -267,26 +305,32 @@ def train(
     metrics_prefix: str = "train",
     stop_at: Optional[int] = None,
     tokens_per_batch: Optional[Callable[[Any], Optional[int]]] = None,
+    plan: Optional[ShardingPlan] = None,
 ) -> TrainResult:
     """Train `trainable` for `tcfg.steps` steps (resuming from `workdir` if it has checkpoints)."""
     workdir = Path(workdir).absolute()
     workdir.mkdir(parents=True, exist_ok=True)
     tokens_per_batch = tokens_per_batch or _default_tokens
-    devices = jax.devices() if tcfg.data_parallel else jax.devices()[:1]
-    mesh = jax.make_mesh((len(devices),), ("data",), devices=devices,
-                         axis_types=(jax.sharding.AxisType.Auto,))
-    replicated = NamedSharding(mesh, P())
-    batch_sharding = NamedSharding(mesh, P("data"))
-    if tcfg.batch_size % len(devices):
-        raise ConfigError(f"train.batch_size={tcfg.batch_size} is invalid: must be divisible by the "
-                          f"{len(devices)} devices it is sharded over (or set train.data_parallel=False)")
+    # Without a plan, parameters of any structure (this loop trains any pytree) are replicated;
+    # a plan shards them by their logical axes, which it must know.
+    by_axes = plan is not None
+    plan = plan or default_plan(tcfg)
+    batch_sharding = plan.sharding(("batch",))
+    n_batch = plan.axis_size("batch")
+    if tcfg.batch_size % n_batch:
+        raise ConfigError(f"train.batch_size={tcfg.batch_size} is invalid: must be divisible by the {n_batch} "
+                          f"devices the batch is sharded over ({plan.describe()})")
 
     tx = make_optimizer(tcfg)
     schedule = lr_schedule(tcfg)
-    state = jax.device_put(init_state(tx, trainable, rng), replicated)
-    frozen = jax.device_put(frozen, replicated)
-    step_fn = jax.jit(make_step(loss_fn, tx, schedule), donate_argnums=(0,),
-                      out_shardings=(replicated, replicated))
+    state = init_state(tx, trainable, rng)
+    state_sh = state_shardings(plan, state, by_axes)
+    state = put_global(state, state_sh, copy=True)  # donated below: the caller's arrays must survive
+    frozen_sh = param_shardings(plan, frozen) if by_axes else jax.tree.map(lambda _: plan.replicated, frozen)
+    frozen = put_global(frozen, frozen_sh)
+    step_fn = jax.jit(_in_scope(plan, make_step(loss_fn, tx, schedule)), donate_argnums=(0,),
+                      in_shardings=(state_sh, frozen_sh, batch_sharding),
+                      out_shardings=(state_sh, plan.replicated))
     stateful_data = hasattr(data_iter, "get_state") and hasattr(data_iter, "set_state")
 
     # Installed first, so a SIGTERM at any point of start-up still ends in a clean checkpoint.

@@ -77,9 +77,12 @@ def _say(msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)
 
 
-def pretrain(cfg, workdir) -> dict:
+def pretrain(cfg, workdir, plan=None) -> dict:
+    """`plan`: a `sharding.ShardingPlan` for the train step (None: data parallel, see `loop.train`)."""
     workdir = Path(workdir).absolute()
     mcfg = validate_config(cfg)
+    if cfg.data.tokenizer:  # a bad tokenizer path must fail before the workdir records this config
+        prepare_tokenizer(cfg.data, mcfg, workdir)
     _check_workdir_config(cfg, workdir)
     tok = prepare_tokenizer(cfg.data, mcfg, workdir)
     data_iter, info = lm_pipeline(cfg.data, tok, cfg.train.batch_size, cfg.data.seed)
@@ -88,7 +91,7 @@ def pretrain(cfg, workdir) -> dict:
     _say(f"model: {mcfg.family}, {mcfg.n_layers} layers, d_model {mcfg.d_model}, {count_params(params):,} params; "
          f"data: {info.tokens:,} tokens -> {info.examples:,} examples of {info.seq_len}+1 tokens")
     result = train(cfg.train, workdir, params, {}, lm_loss_fn(mcfg), data_iter,
-                   rng=jax.random.key(cfg.train.seed), metrics_prefix="pretrain")
+                   rng=jax.random.key(cfg.train.seed), metrics_prefix="pretrain", plan=plan)
     summary = {"step": result.step, "preempted": result.preempted, "skipped": result.skipped,
                "params": count_params(result.trainable), "train_tokens": info.tokens}
     hist = result.history

@@ -1,0 +1,94 @@
+"""`m2r2 aot-check --model=configs/models/llama3_8b.py [--m2r2=configs/m2r2/llama3_8b.py] --program train
+--sharding train --mesh fsdp=8 --batch_size 8 --seq_len 2048 --device_memory 95GiB`
+
+Compiles a sharded train step (distillation with --m2r2, else pre-training) or generation program
+ahead of time for the mesh, without allocating anything, and reports the bytes one device needs
+(XLA memory analysis) against --device_memory. Fake CPU devices stand in for the real ones:
+
+    XLA_FLAGS=--xla_force_host_platform_device_count=8 JAX_PLATFORMS=cpu m2r2 aot-check ...
+
+Prints a JSON report (also written to --out) and exits 1 when a program does not fit.
+"""
+
+from __future__ import annotations
+
+from absl import flags
+from ml_collections import config_flags
+
+from m2r2_jax.cli import sharding_flags
+
+config_flags.DEFINE_config_file("model", None, "model config file, e.g. configs/models/llama3_8b.py", lock_config=True)
+config_flags.DEFINE_config_file("m2r2", None, "distillation config (configs/m2r2/*.py): check M2R2 programs",
+                                lock_config=True)
+flags.DEFINE_enum("program", "both", ["train", "generate", "both"], "which programs to compile")
+flags.DEFINE_integer("batch_size", 8, "global batch size", lower_bound=1)
+flags.DEFINE_integer("seq_len", 2048, "train: tokens per sequence", lower_bound=1)
+flags.DEFINE_integer("prompt_len", 1024, "generate: prompt width", lower_bound=1)
+flags.DEFINE_integer("max_new_tokens", 256, "generate: new tokens", lower_bound=1)
+flags.DEFINE_enum("method", "m2r2_spec", ["ar", "m2r2_spec", "distance_spec", "m2r2_exit", "distance_exit"],
+                  "generate: decoding method")
+flags.DEFINE_string("device_memory", None, "memory of one device, e.g. 16GiB (TPU v5e), 95GiB (v5p), 80GB (H100)")
+flags.DEFINE_float("headroom", 0.1, "fraction of device memory kept free", lower_bound=0.0, upper_bound=0.9)
+flags.DEFINE_string("out", None, "write the JSON report here too")
+flags.mark_flags_as_required(["model"])
+sharding_flags.define("train")
+FLAGS = flags.FLAGS
+
+
+def main(argv):
+    import json
+    import sys
+
+    from m2r2_jax.cli.common import loaded_config
+    from m2r2_jax.errors import ConfigError
+    from m2r2_jax.sharding import aot
+    from m2r2_jax.sharding.plan import ShardingPlan
+    from m2r2_jax.training.config import validate_config
+
+    if len(argv) > 1:
+        raise ConfigError(f"unexpected arguments {argv[1:]}; pass options as --flags")
+    memory = aot.parse_bytes(FLAGS.device_memory) if FLAGS.device_memory else None
+    sharding_flags.start(FLAGS, use_plan=False)
+    model_cfg = validate_config(loaded_config(FLAGS, "model"))
+    mcfg = None
+    if FLAGS["m2r2"].value is not None:
+        from m2r2_jax.m2r2.distill import m2r2_config_from
+
+        mcfg = m2r2_config_from(loaded_config(FLAGS, "m2r2").m2r2).validate(model_cfg)
+    reports = []
+    if FLAGS.program in ("train", "both"):
+        preset = FLAGS.sharding
+        plan = ShardingPlan.from_preset(preset, mesh=FLAGS.mesh)
+        reports.append(aot.check_train(model_cfg, plan, batch_size=FLAGS.batch_size, seq_len=FLAGS.seq_len,
+                                       m2r2_cfg=mcfg, device_memory_bytes=memory, headroom=FLAGS.headroom))
+    if FLAGS.program in ("generate", "both"):
+        preset = "specdec" if FLAGS["sharding"].using_default_value else FLAGS.sharding
+        plan = ShardingPlan.from_preset(preset, mesh=FLAGS.mesh)
+        reports.append(aot.check_generate(model_cfg, plan, method=FLAGS.method, batch_size=FLAGS.batch_size,
+                                          prompt_len=FLAGS.prompt_len, max_new_tokens=FLAGS.max_new_tokens,
+                                          m2r2_cfg=mcfg, device_memory_bytes=memory, headroom=FLAGS.headroom))
+    text = json.dumps({"checks": reports}, indent=2)
+    if FLAGS.out:
+        _write_atomic(FLAGS.out, text + "\n")
+    print(text)
+    if any(r.get("fits") is False for r in reports):
+        print("m2r2: does not fit: " + "; ".join(f"{r['program']} needs {r['per_device_gib']} GiB per device"
+                                                 for r in reports if r.get("fits") is False), file=sys.stderr)
+        sys.exit(1)
+
+
+def _write_atomic(path, text: str) -> None:
+    import os
+    import tempfile
+    from pathlib import Path
+
+    out = Path(path).absolute()
+    fd, tmp = tempfile.mkstemp(prefix=out.name + ".tmp-", dir=out.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, out)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise

@@ -1,0 +1,167 @@
+"""Logical axes of every parameter, by its path in the tree, and the shardings they give.
+
+Base trees (`models.transformer`) and M2R2 trees (`m2r2.fast_stream`) are plain nested dicts, so a
+parameter is named by its path: the table below maps the last one or two path keys to the logical
+axes of that leaf. The stacked layer axis ("layers" / "fast_steps") is added in front for leaves
+under `layers` or inside the M2R2 tree's stacked groups. An unknown leaf is an error rather than
+silently replicated, so a new parameter cannot slip through unsharded.
+
+Parameters are sharded strictly: a dimension that its mesh axes do not divide is an error naming
+the leaf, its shape and the mesh axes (a mesh that cannot shard the model must not run replicated
+by surprise: that is what runs out of memory on the real hardware).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Optional
+
+import jax
+from jax.sharding import NamedSharding
+
+from m2r2_jax.errors import ConfigError
+from m2r2_jax.sharding.mesh import axis_size
+from m2r2_jax.sharding.plan import ShardingPlan
+
+# (last path keys) -> logical axes of the unstacked leaf
+_BASE_LEAVES = {
+    ("embed", "embedding"): ("vocab", "embed"),
+    ("lm_head", "kernel"): ("embed", "vocab"),
+    ("q_proj", "kernel"): ("embed", "q_heads"),
+    ("q_proj", "bias"): ("q_heads",),
+    ("k_proj", "kernel"): ("embed", "kv_heads"),
+    ("k_proj", "bias"): ("kv_heads",),
+    ("v_proj", "kernel"): ("embed", "kv_heads"),
+    ("v_proj", "bias"): ("kv_heads",),
+    ("o_proj", "kernel"): ("q_heads", "embed"),
+    ("gate_proj", "kernel"): ("embed", "mlp"),
+    ("up_proj", "kernel"): ("embed", "mlp"),
+    ("down_proj", "kernel"): ("mlp", "embed"),
+    ("router", "kernel"): ("embed", "expert_logits"),
+    ("shared_expert_gate", "kernel"): ("embed", None),
+    ("experts_gate",): ("experts", "embed", "mlp"),
+    ("experts_up",): ("experts", "embed", "mlp"),
+    ("experts_down",): ("experts", "mlp", "embed"),
+    ("scale",): ("norm",),
+}
+
+# Adapter targets: (input axis, output axis) of the base projection they wrap.
+_ADAPTER_IO = {
+    "q_proj": ("embed", "q_heads"), "k_proj": ("embed", "kv_heads"), "v_proj": ("embed", "kv_heads"),
+    "o_proj": ("q_heads", "embed"), "gate_proj": ("embed", "mlp"), "up_proj": ("embed", "mlp"),
+    "down_proj": ("mlp", "embed"),
+}
+
+
+def _keys(path) -> tuple:
+    """Dict keys / attribute names of a path; tuple and list positions are skipped, so a tuple of
+    trees (the frozen (base, rest) pair of distillation) names its leaves like its members do."""
+    out = []
+    for p in path:
+        if isinstance(p, jax.tree_util.SequenceKey):
+            continue
+        out.append(str(getattr(p, "key", getattr(p, "name", p))))
+    return tuple(out)
+
+
+def _base_leaf_axes(keys: tuple) -> Optional[tuple]:
+    for n in (2, 1):
+        if len(keys) >= n and keys[-n:] in _BASE_LEAVES:
+            axes = _BASE_LEAVES[keys[-n:]]
+            return (("layers",) + axes) if keys[0] == "layers" else axes
+    return None
+
+
+def _m2r2_leaf_axes(keys: tuple, ndim: int) -> Optional[tuple]:
+    group = keys[0]
+    if group == "adapters" and len(keys) == 3 and keys[1] in _ADAPTER_IO:
+        din, dout = _ADAPTER_IO[keys[1]]
+        return ("fast_steps", din, "lora_rank") if keys[2] == "A" else ("fast_steps", "lora_rank", dout)
+    if group == "rates":
+        return ("fast_steps", "embed")
+    if group == "exit_norm":
+        return ("fast_steps", "norm")
+    if group == "moe_lowrank":
+        return ("fast_steps", "embed", "lora_rank") if keys[-1] == "A" else ("fast_steps", "lora_rank", "embed")
+    if group in ("router", "step_mlp"):  # a few thousand numbers: replicated
+        return (None,) * ndim
+    return None
+
+
+def leaf_axes(keys: tuple, ndim: int) -> tuple:
+    """Logical axes of the leaf at path `keys` (a base tree or an M2R2 tree leaf)."""
+    m2r2_group = keys[0] in ("adapters", "rates", "exit_norm", "moe_lowrank", "router", "step_mlp")
+    axes = _m2r2_leaf_axes(keys, ndim) if m2r2_group else _base_leaf_axes(keys)
+    if axes is None or len(axes) != ndim:
+        raise ConfigError(f"no logical axes for parameter {'/'.join(keys)} (rank {ndim}); "
+                          "add it to m2r2_jax/sharding/params.py")
+    return axes
+
+
+def logical_axes(tree) -> Any:
+    """Tree of logical-axes tuples with the structure of `tree` (arrays or ShapeDtypeStructs)."""
+    return jax.tree_util.tree_map_with_path(lambda path, x: leaf_axes(_keys(path), len(x.shape)), tree)
+
+
+def _strict_sharding(plan: ShardingPlan, keys: tuple, shape, axes) -> NamedSharding:
+    spec = plan.spec(axes)
+    for dim, (size, part) in enumerate(zip(shape, list(spec) + [None] * len(shape))):
+        if part is not None and size % axis_size(plan.mesh, part) != 0:
+            raise ConfigError(f"parameter {'/'.join(keys)} {tuple(shape)} cannot be sharded by {plan.describe()}: "
+                              f"dimension {dim} ({axes[dim]}={size}) is not divisible by {part}="
+                              f"{axis_size(plan.mesh, part)}")
+    return NamedSharding(plan.mesh, spec)
+
+
+def param_shardings(plan: ShardingPlan, tree) -> Any:
+    """NamedSharding per leaf of a parameter tree (base, M2R2 or draft model)."""
+    return jax.tree_util.tree_map_with_path(
+        lambda path, x: _strict_sharding(plan, _keys(path), x.shape, leaf_axes(_keys(path), len(x.shape))), tree)
+
+
+def put_global(tree, shardings, copy: bool = False) -> Any:
+    """Place host data (the same on every process) as global arrays with `shardings` (a tree
+    matching `tree`). One process: `device_put`. Several: each process builds its own shards from
+    its copy, since no process can address the others' devices. `copy`: never share a buffer
+    with the input (what a caller must ask for before donating the result)."""
+    if jax.process_count() == 1:
+        if copy:  # device_put may reuse the input's buffer for the shard on its own device
+            import jax.numpy as jnp
+
+            return jax.jit(lambda t: jax.tree.map(jnp.copy, t), out_shardings=shardings)(tree)
+        return jax.device_put(tree, shardings)
+    import numpy as np
+
+    def put(x, sh):
+        host = np.asarray(jax.device_get(x))
+        return jax.make_array_from_callback(host.shape, sh, lambda idx: host[idx])
+
+    return jax.tree.map(put, tree, shardings)
+
+
+def shard_params(plan: ShardingPlan, tree) -> Any:
+    """`tree` placed on the plan's devices with its parameter shardings."""
+    return put_global(tree, param_shardings(plan, tree))
+
+
+def follow_params(plan: ShardingPlan, tree, params, param_sh) -> Any:
+    """Shardings for a tree whose leaves mirror parameters (optimiser moments, gradients): a leaf
+    whose path ends with a parameter's path and has its shape gets that parameter's sharding;
+    anything else (step counters, scalars) is replicated."""
+    by_path = {}
+    for (path, x), sh in zip(jax.tree_util.tree_leaves_with_path(params), jax.tree.leaves(param_sh)):
+        by_path[_keys(path)] = (tuple(x.shape), sh)
+
+    def pick(path, x):
+        keys = _keys(path)
+        for start in range(len(keys)):
+            hit = by_path.get(keys[start:])
+            if hit is not None and hit[0] == tuple(x.shape):
+                return hit[1]
+        return plan.replicated
+
+    return jax.tree_util.tree_map_with_path(pick, tree)
+
+
+def describe_shardings(shardings: Mapping) -> dict:
+    """{'path': 'PartitionSpec(...)'} for logs and the AOT report."""
+    return {"/".join(_keys(p)): str(s.spec) for p, s in jax.tree_util.tree_leaves_with_path(shardings)}

@@ -1,0 +1,116 @@
+"""Two processes through jax.distributed on localhost agree with one process; ahead-of-time
+compile checks (tiny in process, the Llama-3-8B presets through `m2r2 aot-check`)."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import pytest
+
+from conftest import tiny_config
+from m2r2_jax.errors import ConfigError
+from m2r2_jax.m2r2.config import M2R2Config
+from m2r2_jax.sharding import aot
+from m2r2_jax.sharding.distributed import cluster_detected, initialize
+from m2r2_jax.sharding.plan import ShardingPlan
+
+HERE = Path(__file__).parent
+ROOT = HERE.parents[1]
+
+
+def _env(devices: int) -> dict:
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+    env.pop("JAX_COMPILATION_CACHE_DIR", None)  # processes of one job would race on the same entries
+    return env
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+def test_two_processes_agree_with_one_on_a_distill_step_and_generation(tmp_path):
+    worker = [sys.executable, str(HERE / "multihost_worker.py")]
+    single = subprocess.Popen(worker + [str(tmp_path / "single.json"), str(tmp_path / "wd1")], env=_env(4),
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    coord = f"localhost:{_free_port()}"
+    procs = [subprocess.Popen(worker + [str(tmp_path / "multi.json"), str(tmp_path / "wd2"), coord, "2", str(i)],
+                              env=_env(2), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for i in range(2)]
+    for p in [single] + procs:
+        out, _ = p.communicate(timeout=600)
+        assert p.returncode == 0, out[-3000:]
+    one = json.loads((tmp_path / "single.json").read_text())
+    two = json.loads((tmp_path / "multi.json").read_text())
+    assert (one["processes"], two["processes"]) == (1, 2)
+    assert two["loss"] == pytest.approx(one["loss"], rel=1e-5)
+    assert two["rates_sum"] == pytest.approx(one["rates_sum"], rel=1e-5)
+    assert two["tokens"] == one["tokens"] and all(len(t) == 8 for t in one["tokens"])
+
+
+def test_distributed_initialize_detects_clusters_and_checks_arguments():
+    assert cluster_detected({}) is None
+    assert cluster_detected({"TPU_WORKER_HOSTNAMES": "a,b"}) == "tpu"
+    assert cluster_detected({"SLURM_JOB_ID": "7", "SLURM_NTASKS": "4"}) == "slurm"
+    assert cluster_detected({"SLURM_JOB_ID": "7", "SLURM_NTASKS": "1"}) is None
+    assert initialize(env={}) == "single"
+    with pytest.raises(ConfigError, match="needs num_processes and process_id"):
+        initialize("localhost:1", env={})
+    with pytest.raises(ConfigError, match="0 <= process_id < num_processes"):
+        initialize("localhost:1", 2, 2, env={})
+    with pytest.raises(ConfigError, match="need a coordinator"):
+        initialize(None, 2, 0, env={})
+    with pytest.raises(ConfigError, match="M2R2_PROCESS_ID|process_id='x'"):
+        initialize(env={"M2R2_COORDINATOR": "localhost:1", "M2R2_NUM_PROCESSES": "2", "M2R2_PROCESS_ID": "x"})
+
+
+def test_aot_check_of_a_tiny_model_reports_memory_and_fit():
+    cfg = tiny_config("llama", vocab_size=64)
+    plan = ShardingPlan.from_preset("train", mesh="fsdp=4,tensor=2")
+    r = aot.check_train(cfg, plan, batch_size=8, seq_len=16, m2r2_cfg=M2R2Config(branch_layer=1, rate=2),
+                        device_memory_bytes=aot.parse_bytes("1GiB"))
+    assert r["program"] == "distill_step" and r["fits"] is True and r["argument_bytes"] > 0
+    assert 0 < r["per_device_bytes"] < 1 << 30
+    small = aot.check_generate(cfg, ShardingPlan.from_preset("specdec", mesh="data=2,tensor=4"), method="ar",
+                               batch_size=2, prompt_len=8, max_new_tokens=4, device_memory_bytes=1024)
+    assert small["program"] == "generate_ar" and small["fits"] is False
+    with pytest.raises(ConfigError, match="not divisible by the 4 devices of the batch axes"):
+        aot.check_train(cfg, plan, batch_size=6, seq_len=16)
+    for text, n in [("16GiB", 16 << 30), ("80GB", 80 * 10 ** 9), ("512", 512)]:
+        assert aot.parse_bytes(text) == n
+    with pytest.raises(ConfigError, match="memory size"):
+        aot.parse_bytes("lots")
+
+
+def test_aot_check_cli_on_the_llama3_8b_presets(tmp_path):
+    """The 8B presets compile for 8 devices; the weights really are split (an unsharded bf16 copy
+    of Llama-3-8B is 16 GB; an eighth is 2 GB)."""
+    out = tmp_path / "aot.json"
+    r = subprocess.run([sys.executable, "-m", "m2r2_jax.cli.main", "aot-check", "--model=configs/models/llama3_8b.py",
+                        "--m2r2=configs/m2r2/llama3_8b.py", "--program=both", "--mesh=tensor=8", "--batch_size=8",
+                        "--seq_len=256", "--prompt_len=128", "--max_new_tokens=32", "--device_memory=95GiB",
+                        f"--out={out}"], cwd=ROOT, env=_env(8), capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    checks = json.loads(out.read_text())["checks"]
+    train, gen = checks
+    assert train["program"] == "distill_step" and "tensor=8" in train["sharding"] and train["fits"]
+    assert gen["program"] == "generate_m2r2_spec" and gen["sharding"].startswith("specdec")
+    for c in checks:
+        assert 1.5 < c["argument_bytes"] / 2 ** 30 < 3.0, c  # ~16 GB of weights / 8 devices
+    bad = subprocess.run([sys.executable, "-m", "m2r2_jax.cli.main", "aot-check", "--model=configs/models/llama3_8b.py",
+                          "--program=generate", "--mesh=tensor=3"], cwd=ROOT, env=_env(8), capture_output=True,
+                         text=True, timeout=300)
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr
+    assert bad.stderr.strip().splitlines() == ["m2r2: error: mesh data=1,fsdp=1,tensor=3,expert=1 needs 3 devices "
+                                               "but 8 are available (cpu, 1 process(es))"]
+
+
+def test_jax_sees_eight_fake_devices():
+    assert jax.device_count() == 8
