@@ -101,6 +101,21 @@ M2R2_SOURCE = ""
 '''
 
 
+def distill_code(config: str) -> str:
+    """The notebook lines that distill M2R2 for the base in BASE_DIR with configs/m2r2/<config>.py."""
+    return f'''
+dcfg = load_config_file(CONFIG_DIR / "m2r2" / "{config}.py")
+dcfg.base_checkpoint = str(BASE_DIR)
+dcfg.m2r2.update(M2R2_OVERRIDES)
+dcfg.train.update(dict(steps=DISTILL_STEPS, batch_size=BATCH_SIZE, warmup_steps=max(1, DISTILL_STEPS // 10),
+                       checkpoint_every=max(10, DISTILL_STEPS // 2)))
+dcfg.router_train.update(dict(steps=ROUTER_STEPS, batch_size=BATCH_SIZE, warmup_steps=max(1, ROUTER_STEPS // 10),
+                              checkpoint_every=max(10, ROUTER_STEPS // 2)))
+dcfg.data.update({{"seq_len": SEQ_LEN, **DATA_OVERRIDES}})
+dsum = distill(dcfg, OUT / "distill")
+'''
+
+
 def _params(body: str) -> str:
     return body.strip("\n") + "\n" + SOURCE_PARAM.strip("\n")
 
@@ -221,17 +236,7 @@ weights are an input of every step, never an optimiser input: the summary checks
 unchanged. The CLI equivalent is `m2r2 distill --config=configs/m2r2/tiny_dense.py
 --config.base_checkpoint=DIR --workdir WD`.
 '''),
-        code('''
-dcfg = load_config_file(CONFIG_DIR / "m2r2" / "tiny_dense.py")
-dcfg.base_checkpoint = str(BASE_DIR)
-dcfg.m2r2.update(M2R2_OVERRIDES)
-dcfg.train.update(dict(steps=DISTILL_STEPS, batch_size=BATCH_SIZE, warmup_steps=max(1, DISTILL_STEPS // 10),
-                       checkpoint_every=max(10, DISTILL_STEPS // 2)))
-dcfg.router_train.update(dict(steps=ROUTER_STEPS, batch_size=BATCH_SIZE, warmup_steps=max(1, ROUTER_STEPS // 10),
-                              checkpoint_every=max(10, ROUTER_STEPS // 2)))
-dcfg.data.update({"seq_len": SEQ_LEN, **DATA_OVERRIDES})
-dsum = distill(dcfg, OUT / "distill")
-assert dsum["base_fingerprint"] == dsum["base_fingerprint_after"]
+        code(distill_code("tiny_dense") + '''assert dsum["base_fingerprint"] == dsum["base_fingerprint_after"]
 
 mcfg, m2r2_params = load_m2r2(OUT / "distill" / "m2r2", base_cfg, params_fingerprint(base_cfg, base_params))
 print(f"b={mcfg.branch_layer}, rate {mcfg.rate}: {mcfg.steps(base_cfg)} fast steps visiting layers "
@@ -388,17 +393,7 @@ cfg.data.update({"seq_len": SEQ_LEN, **DATA_OVERRIDES})
 summary = pretrain(cfg, OUT / "pretrain")
 BASE_DIR = OUT / "pretrain" / "model"
 print({k: summary.get(k) for k in ("step", "first_loss", "last_loss", "heldout_loss")})
-
-dcfg = load_config_file(CONFIG_DIR / "m2r2" / "tiny_moe.py")
-dcfg.base_checkpoint = str(BASE_DIR)
-dcfg.m2r2.update(M2R2_OVERRIDES)
-dcfg.train.update(dict(steps=DISTILL_STEPS, batch_size=BATCH_SIZE, warmup_steps=max(1, DISTILL_STEPS // 10),
-                       checkpoint_every=max(10, DISTILL_STEPS // 2)))
-dcfg.router_train.update(dict(steps=ROUTER_STEPS, batch_size=BATCH_SIZE, warmup_steps=max(1, ROUTER_STEPS // 10),
-                              checkpoint_every=max(10, ROUTER_STEPS // 2)))
-dcfg.data.update({"seq_len": SEQ_LEN, **DATA_OVERRIDES})
-dsum = distill(dcfg, OUT / "distill")
-
+''' + distill_code("tiny_moe") + '''
 base_cfg, base_params = load_model(BASE_DIR)
 mcfg, m2r2_params = load_m2r2(OUT / "distill" / "m2r2", base_cfg, params_fingerprint(base_cfg, base_params))
 tok = load_tokenizer(tokenizer_path(BASE_DIR))

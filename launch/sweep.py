@@ -18,7 +18,6 @@ the run and the field. `ROOT/NAME/sweep.json` lists every run: its overrides, wo
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import itertools
 import json
 import os
@@ -38,14 +37,14 @@ class SweepError(Exception):
 
 
 def load_py_config(path):
-    path = Path(path)
-    if not path.is_file():
-        raise SweepError(f"file {path} does not exist")
-    spec = importlib.util.spec_from_file_location(f"m2r2_sweep_{path.stem}", path)
-    module = importlib.util.module_from_spec(spec)
+    """`get_config()` of a config or sweep file; its own errors become one SweepError line."""
+    from m2r2_jax.errors import M2R2Error
+    from m2r2_jax.training.config import load_config_file
+
     try:
-        spec.loader.exec_module(module)
-        return module.get_config()
+        return load_config_file(path)
+    except M2R2Error as e:
+        raise SweepError(str(e)) from None
     except Exception as e:  # the user's file
         raise SweepError(f"cannot load {path}: {type(e).__name__}: {e}") from None
 

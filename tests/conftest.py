@@ -35,6 +35,25 @@ def tiny_config(family: str = "llama", **kw) -> ModelConfig:
     return ModelConfig(**base).validate()
 
 
+def tiny_pretrain_config(vocab_size: int = 512, tokenizer: str = "", **train) -> str:
+    """The text of a pretrain config file small enough to train a few steps in seconds on one CPU
+    core (2 layers, d_model 32, the embedded corpus's held-out split); `train` overrides its
+    train section, `tokenizer` names a tokenizer file ("" trains one)."""
+    t = dict(steps=100000, batch_size=8, warmup_steps=2, checkpoint_every=100000, progress=False)
+    t.update(train)
+    return f"""
+from m2r2_jax.training.config import base_config
+
+def get_config():
+    cfg = base_config()
+    cfg.model.update(dict(family="llama", vocab_size={vocab_size}, d_model=32, n_layers=2, n_heads=2, n_kv_heads=1,
+                          head_dim=16, d_ff=64, max_seq_len=64))
+    cfg.train.update({t!r})
+    cfg.data.update(dict(source="embedded", split="heldout", seq_len=32, tokenizer={tokenizer!r}))
+    return cfg
+"""
+
+
 @pytest.fixture
 def tiny_dense():
     return tiny_config("llama")

@@ -77,6 +77,9 @@ def distill_loss(base: ModelConfig, mcfg: M2R2Config, lcfg: LossConfig, base_par
     targets = tf.slow_hidden[jnp.asarray(F.visited_layers(base, mcfg)) + 1]  # h_{j_i}
     prevs = jnp.concatenate([tf.g0[None], tf.states[:-1]], axis=0)
 
+    # Rematerialised: the backward pass recomputes one step's [B, T, V] logits instead of keeping
+    # all K of them (at a 128k vocabulary they dominate the step's memory).
+    @jax.checkpoint
     def per_step(args):
         i, g, gp, h = args
         lg = F.exit_head_logits(base, mcfg, base_params, m2r2_params, i, g)

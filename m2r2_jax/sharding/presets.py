@@ -14,7 +14,6 @@ specdec  serving: weights tensor-parallel (heads / mlp / vocab over tensor, expe
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import ml_collections
@@ -62,14 +61,15 @@ def load_preset(preset) -> ml_collections.ConfigDict:
     elif preset == "specdec":
         cfg = specdec_preset()
     elif isinstance(preset, (str, Path)) and str(preset).endswith(".py"):
+        from m2r2_jax.training.config import load_config_file
+
         path = Path(preset)
         if not path.is_file():
             raise ConfigError(f"sharding preset file {path} does not exist")
-        spec = importlib.util.spec_from_file_location(f"m2r2_sharding_preset_{path.stem}", path)
-        module = importlib.util.module_from_spec(spec)
         try:
-            spec.loader.exec_module(module)
-            cfg = module.get_config()
+            cfg = load_config_file(path)
+        except ConfigError:
+            raise
         except Exception as e:  # a user's file: report its error in one line
             raise ConfigError(f"cannot load sharding preset {path}: {type(e).__name__}: {e}") from None
     else:

@@ -22,18 +22,15 @@ REPO = TESTS.parent
 
 VOCAB = 384  # the size of the sentencepiece tokenizer trained below
 
-# A pretrain config small enough to train a few steps in seconds on one CPU core.
-TINY_PRETRAIN = """
-from m2r2_jax.training.config import base_config
 
-def get_config():
-    cfg = base_config()
-    cfg.model.update(dict(family="llama", vocab_size=384, d_model=32, n_layers=2, n_heads=2, n_kv_heads=1,
-                          head_dim=16, d_ff=64, max_seq_len=64))
-    cfg.train.update(dict(steps=4, batch_size=4, warmup_steps=1, checkpoint_every=1, progress=False))
-    cfg.data.update(dict(source="embedded", split="heldout", seq_len=32, tokenizer={tokenizer!r}))
-    return cfg
-"""
+
+def tiny_pretrain(tokenizer) -> str:
+    """A pretrain config for the tokenizer trained below: 4 steps, a checkpoint every step."""
+    from conftest import tiny_pretrain_config
+
+    return tiny_pretrain_config(vocab_size=VOCAB, tokenizer=str(tokenizer), steps=4, batch_size=4, warmup_steps=1,
+                                checkpoint_every=1)
+
 
 TINY_DISTILL = """
 from m2r2_jax.m2r2.distill import distill_config
@@ -168,7 +165,7 @@ def build_fixtures(root: Path) -> dict:
 
     # configs for pretrain / distill
     p["pretrain_cfg"] = root / "pretrain_cfg.py"
-    p["pretrain_cfg"].write_text(TINY_PRETRAIN.format(tokenizer=str(tok)))
+    p["pretrain_cfg"].write_text(tiny_pretrain(tok))
     p["distill_cfg"] = root / "distill_cfg.py"
     p["distill_cfg"].write_text(TINY_DISTILL.format(base=str(p["base"])))
     p["syntax_error_cfg"] = root / "syntax_error_cfg.py"

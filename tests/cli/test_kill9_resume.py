@@ -13,7 +13,7 @@ import time
 
 import numpy as np
 
-from cli_helpers import M2R2, TINY_PRETRAIN, subprocess_env, train_tokenizer
+from cli_helpers import M2R2, subprocess_env, tiny_pretrain, train_tokenizer
 
 SEED = int(os.environ.get("M2R2_KILL_SEED", "3"))
 STEPS = 12
@@ -49,7 +49,7 @@ def test_kill9_at_a_random_moment_then_resume_matches_an_uninterrupted_run(tmp_p
 
     tok = train_tokenizer(tmp_path / "tokenizer.model")
     cfg = tmp_path / "tiny.py"
-    cfg.write_text(TINY_PRETRAIN.format(tokenizer=str(tok)))
+    cfg.write_text(tiny_pretrain(tok))
 
     # the reference: uninterrupted; it also measures how long the training phase lasts
     ref = tmp_path / "ref"

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from conftest import tiny_pretrain_config
+
 sys.path.insert(0, str(Path(__file__).parents[1] / "decoding"))
 from decoding_helpers import model  # noqa: E402
 
@@ -115,17 +117,7 @@ def test_base_dependent_values_are_checked_against_the_base_checkpoint(tmp_path,
     assert "branch_layer=6 is invalid" in capsys.readouterr().err
 
 
-TINY = """
-from m2r2_jax.training.config import base_config
-
-def get_config():
-    cfg = base_config()
-    cfg.model.update(dict(family="llama", vocab_size=512, d_model=32, n_layers=2, n_heads=2, n_kv_heads=1,
-                          head_dim=16, d_ff=64, max_seq_len=64))
-    cfg.train.update(dict(steps=2, batch_size=8, warmup_steps=1, checkpoint_every=100, progress=False))
-    cfg.data.update(dict(source="embedded", split="heldout", seq_len=32))
-    return cfg
-"""
+TINY = tiny_pretrain_config(steps=2, warmup_steps=1, checkpoint_every=100)
 
 
 def test_a_local_sweep_runs_pretrain_with_a_mesh_and_writes_its_manifest(tmp_path):

@@ -13,22 +13,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import tiny_config
+from conftest import tiny_config, tiny_pretrain_config
 from m2r2_jax.models.transformer import forward, init_params
 from m2r2_jax.training.loop import latest_step
 from m2r2_jax.training.sampling import sample_tokens
 
-TINY = """
-from m2r2_jax.training.config import base_config
-
-def get_config():
-    cfg = base_config()
-    cfg.model.update(dict(family="llama", vocab_size=512, d_model=32, n_layers=2, n_heads=2, n_kv_heads=1,
-                          head_dim=16, d_ff=64, max_seq_len=64))
-    cfg.train.update(dict(steps=100000, batch_size=8, warmup_steps=2, checkpoint_every=100000, progress=False))
-    cfg.data.update(dict(source="embedded", split="heldout", seq_len=32))
-    return cfg
-"""
+TINY = tiny_pretrain_config()
 
 
 def m2r2(*args, **kw):
