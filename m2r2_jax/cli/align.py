@@ -39,9 +39,6 @@ def heldout_text(data: str, text_field: str) -> str:
 
 
 def main(argv):
-    from absl import logging
-
-    logging.set_verbosity(logging.WARNING)
     from m2r2_jax.data.tokenizer import load_tokenizer
     from m2r2_jax.errors import CheckpointError, ConfigError
     from m2r2_jax.m2r2 import analysis
@@ -50,8 +47,6 @@ def main(argv):
     from m2r2_jax.models.checkpoint import tokenizer_path
     from m2r2_jax.models.config import read_model_config
 
-    if len(argv) > 1:
-        raise ConfigError(f"unexpected arguments {argv[1:]}; pass options as --flags")
     # the cheap checks first: config, tokenizer and data fail before any weights are read
     cfg = read_model_config(FLAGS.checkpoint)
     if FLAGS.seq_len > cfg.max_seq_len:

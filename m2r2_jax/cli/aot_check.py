@@ -40,13 +40,10 @@ def main(argv):
     import sys
 
     from m2r2_jax.cli.common import loaded_config
-    from m2r2_jax.errors import ConfigError
     from m2r2_jax.sharding import aot
     from m2r2_jax.sharding.plan import ShardingPlan
     from m2r2_jax.training.config import validate_config
 
-    if len(argv) > 1:
-        raise ConfigError(f"unexpected arguments {argv[1:]}; pass options as --flags")
     memory = aot.parse_bytes(FLAGS.device_memory) if FLAGS.device_memory else None
     sharding_flags.start(FLAGS, use_plan=False)
     model_cfg = validate_config(loaded_config(FLAGS, "model"))

@@ -32,9 +32,6 @@ FLAGS = flags.FLAGS
 
 
 def main(argv):
-    from absl import logging
-
-    logging.set_verbosity(logging.WARNING)
     import json
     import sys
     from pathlib import Path
@@ -48,8 +45,6 @@ def main(argv):
     from m2r2_jax.m2r2.loading import load_base_and_m2r2
     from m2r2_jax.models.checkpoint import load_model, tokenizer_path
 
-    if len(argv) > 1:
-        raise ConfigError(f"unexpected arguments {argv[1:]}; pass options as --flags")
     plan = sharding_flags.start(FLAGS)
     try:
         batch_sizes = [int(b) for b in FLAGS.batch_sizes]

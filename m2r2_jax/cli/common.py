@@ -19,7 +19,13 @@ def run_verb(main, argv) -> None:
     """Run a verb's `main(argv)` under absl; user errors become one line and exit status 2."""
 
     def wrapped(args):
+        from absl import logging
+
+        if not flags.FLAGS["verbosity"].present:  # orbax logs every save and restore at INFO
+            logging.set_verbosity(logging.WARNING)
         try:
+            if len(args) > 1:  # every verb takes flags only
+                raise M2R2Error(f"unexpected arguments {args[1:]}; pass options as --flags")
             return main(args)
         except M2R2Error as e:
             fail(str(e))

@@ -20,18 +20,10 @@ FLAGS = flags.FLAGS
 
 
 def main(argv):
-    from m2r2_jax.errors import ConfigError
-
-    if len(argv) > 1:
-        raise ConfigError(f"unexpected arguments {argv[1:]}; pass options as --flags")
     import json
-
-    from absl import logging
 
     from m2r2_jax.interop.convert import convert_hf
 
-    if not FLAGS["verbosity"].present:
-        logging.set_verbosity(logging.WARNING)  # orbax logs every step of a save at INFO
     out = convert_hf(FLAGS.hf, FLAGS.out, dtype=FLAGS.dtype, overwrite=FLAGS.force)
     c = json.loads((out / "model_config.json").read_text())
     print(f"wrote {out} ({c['family']}, {c['n_layers']} layers, d_model {c['d_model']}, vocab {c['vocab_size']}, "

@@ -13,13 +13,6 @@ FLAGS = flags.FLAGS
 
 
 def main(argv):
-    from absl import logging
-
-    logging.set_verbosity(logging.WARNING)
-    from m2r2_jax.errors import ConfigError
-
-    if len(argv) > 1:
-        raise ConfigError(f"unexpected arguments {argv[1:]}; pass options as --flags")
     from m2r2_jax.bench.demo import run_demo
 
     run_demo(FLAGS.out, FLAGS.budget, FLAGS.force, FLAGS.skip_moe)

@@ -25,14 +25,7 @@ FLAGS = flags.FLAGS
 
 
 def main(argv):
-    from absl import logging
-
-    logging.set_verbosity(logging.WARNING)
     from m2r2_jax.cli.common import loaded_config
-    from m2r2_jax.errors import ConfigError
-
-    if len(argv) > 1:
-        raise ConfigError(f"unexpected arguments {argv[1:]}; pass options as --flags")
     plan = sharding_flags.start(FLAGS)
     from m2r2_jax.m2r2.distill import distill
 

@@ -18,15 +18,7 @@ FLAGS = flags.FLAGS
 
 
 def main(argv):
-    from m2r2_jax.errors import ConfigError
-
-    if len(argv) > 1:
-        raise ConfigError(f"unexpected arguments {argv[1:]}; pass options as --flags")
-    from absl import logging
-
     from m2r2_jax.interop.convert import export_hf
 
-    if not FLAGS["verbosity"].present:
-        logging.set_verbosity(logging.WARNING)  # orbax logs every step of a restore at INFO
     out = export_hf(FLAGS.checkpoint, FLAGS.out, max_shard_size=FLAGS.max_shard_size, overwrite=FLAGS.force)
     print(f"wrote {out}")

@@ -109,17 +109,12 @@ def write_jsonl_atomic(path, rows) -> None:
 
 
 def main(argv):
-    from absl import logging
-
-    logging.set_verbosity(logging.WARNING)  # orbax logs restores at INFO
     from m2r2_jax.data.tokenizer import load_tokenizer
     from m2r2_jax.decoding import api
     from m2r2_jax.decoding.sampling import Sampling
     from m2r2_jax.errors import ConfigError
     from m2r2_jax.models.checkpoint import load_config, load_fingerprint, load_model, tokenizer_path
 
-    if len(argv) > 1:
-        raise ConfigError(f"unexpected arguments {argv[1:]}; pass options as --flags")
     # cheap checks first: a bad flag fails before any model is loaded
     if FLAGS.max_new_tokens <= 0:
         raise ConfigError(f"--max-new-tokens={FLAGS.max_new_tokens} is invalid: expected a positive integer")

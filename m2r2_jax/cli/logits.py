@@ -84,15 +84,9 @@ def write_npy_atomic(path, array) -> None:
 def main(argv):
     from pathlib import Path
 
-    from absl import logging
-
-    from m2r2_jax.errors import ConfigError, DataError
+    from m2r2_jax.errors import DataError
     from m2r2_jax.models.config import read_model_config
 
-    if len(argv) > 1:
-        raise ConfigError(f"unexpected arguments {argv[1:]}; pass options as --flags")
-    if not FLAGS["verbosity"].present:
-        logging.set_verbosity(logging.WARNING)  # orbax logs every step of a restore at INFO
     if Path(FLAGS.out).is_dir():
         raise DataError(f"--out {FLAGS.out} is a directory; expected a .npy file path")
     cfg = read_model_config(FLAGS.checkpoint)

@@ -60,9 +60,6 @@ def check_inputs(cfg, prompts) -> None:
 
 
 def main(argv):
-    from absl import logging
-
-    logging.set_verbosity(logging.WARNING)
     import jax
 
     from m2r2_jax.data.tokenizer import load_tokenizer
@@ -73,8 +70,6 @@ def main(argv):
     from m2r2_jax.models.checkpoint import load_config, load_model, params_fingerprint, tokenizer_path
     from m2r2_jax.moe_offload.report import load_prompts, moe_report, write_plots
 
-    if len(argv) > 1:
-        raise ConfigError(f"unexpected arguments {argv[1:]}; pass options as --flags")
     cfg = load_config(FLAGS.checkpoint)
     if not cfg.is_moe:
         raise ConfigError(f"{FLAGS.checkpoint} is a dense {cfg.family} model; moe-bench needs a MoE base (n_experts > 0)")

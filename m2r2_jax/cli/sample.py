@@ -19,16 +19,11 @@ FLAGS = flags.FLAGS
 
 
 def main(argv):
-    from absl import logging
-
-    logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO
     from m2r2_jax.data.tokenizer import load_tokenizer
-    from m2r2_jax.errors import CheckpointError, ConfigError
+    from m2r2_jax.errors import CheckpointError
     from m2r2_jax.models.checkpoint import load_config, load_model, tokenizer_path
     from m2r2_jax.training.sampling import sample_tokens
 
-    if len(argv) > 1:
-        raise ConfigError(f"unexpected arguments {argv[1:]}; pass options as --flags")
     load_config(FLAGS.checkpoint)  # a clear error first when DIR is not a model checkpoint
     tok_file = tokenizer_path(FLAGS.checkpoint)
     if tok_file is None:
