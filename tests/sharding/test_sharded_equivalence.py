@@ -139,3 +139,18 @@ def test_sharded_engine_places_the_kv_cache_by_batch_and_kv_heads():
     wq = engine.params["base"]["layers"]["attn"]["q_proj"]["kernel"]
     assert tuple(wq.sharding.spec) == (None, None, "tensor")
     assert len(states[0].out) == 4  # two prompts, padded with idle rows to the data axis
+
+
+def test_sharded_benchmark_compares_methods_on_the_mesh():
+    """`m2r2 bench --mesh` runs compare_methods with a plan: every method sharded, same answers."""
+    from m2r2_jax.bench.speculative import compare_methods
+
+    cfg, base = model("llama", vocab_size=VOCAB)
+    mcfg = M2R2Config(branch_layer=1, rate=2, lora_rank=4)
+    plan = ShardingPlan.from_preset("specdec", mesh="data=2,tensor=4")
+    prompts = _random_prompts(np.random.default_rng(3), 2)
+    rep = compare_methods(cfg, base, prompts, max_new_tokens=6, gamma=3, m2r2=(mcfg, random_m2r2(cfg, mcfg, 0, 0.3)),
+                          methods=("ar", "m2r2_spec"), batch_sizes=(2,), repeats=1, plan=plan)
+    assert rep["m2r2_spec"]["identical_to_ar"] is True
+    assert rep["m2r2_spec"]["answers"] == [r.tokens for r in api.generate("ar", cfg, base, prompts, max_new_tokens=6)]
+    assert rep["m2r2_spec"]["speedup_vs_ar"] > 0 and rep["m2r2_spec"]["mean_accepted_tokens"] >= 1.0
