@@ -79,8 +79,11 @@ def main(argv):
               "fresh_m2r2_params": fresh, "sharding": plan.describe() if plan else None, "m2r2": mcfg.to_dict(), "speculative": spec}
     report["targets"] = R.targets(report)
     out = Path(FLAGS.out)
-    out.mkdir(parents=True, exist_ok=True)
-    _write_json(out / "report.json", report)
-    R.write_plots(report, out)
+    import jax
+
+    if jax.process_index() == 0:  # multi-host: one process writes the report
+        out.mkdir(parents=True, exist_ok=True)
+        _write_json(out / "report.json", report)
+        R.write_plots(report, out)
     print(R.table(report))
     print(json.dumps({"report": str(out / "report.json")}))

@@ -155,6 +155,9 @@ def main(argv):
         "layers": r.layers,
         "early_exits": r.early_exits,
     } for r in results]
-    write_jsonl_atomic(FLAGS.out, rows)
+    import jax
+
+    if jax.process_index() == 0:  # multi-host: every process holds the gathered results; one writes
+        write_jsonl_atomic(FLAGS.out, rows)
     n_tok = sum(len(r.tokens) for r in results)
     print(f"wrote {len(rows)} lines, {n_tok} tokens, to {FLAGS.out}")
