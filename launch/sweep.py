@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import os
 import shlex
 import subprocess
 import sys
@@ -184,13 +183,11 @@ def launcher_command(launcher: str, argv: list) -> list:
 def write_manifest(sweep, runs, launcher) -> Path:
     out = Path(sweep["root"]) / sweep["name"]
     out.mkdir(parents=True, exist_ok=True)
-    path = out / "sweep.json"
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps({**{k: sweep[k] for k in ("name", "verb", "config")}, "launcher": launcher,
-                               "runs": [{**r, "command": launcher_command(launcher, r["argv"])} for r in runs]},
-                              indent=2, default=str))
-    os.replace(tmp, path)
-    return path
+    from m2r2_jax.atomic import write_text_atomic
+
+    manifest = {**{k: sweep[k] for k in ("name", "verb", "config")}, "launcher": launcher,
+                "runs": [{**r, "command": launcher_command(launcher, r["argv"])} for r in runs]}
+    return write_text_atomic(out / "sweep.json", json.dumps(manifest, indent=2, default=str))
 
 
 def start(runs, launcher: str, parallel: int) -> int:

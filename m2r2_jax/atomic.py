@@ -29,3 +29,19 @@ def atomic_directory(directory, overwrite: bool = False):
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def write_text_atomic(path, text: str) -> Path:
+    """Write `text` to `path` all at once: a temporary file beside it, renamed into place, removed
+    on any failure. The parent directory must exist."""
+    out = Path(path).absolute()
+    fd, tmp = tempfile.mkstemp(prefix=out.name + ".tmp-", dir=out.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(tmp, out)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    return out

@@ -19,12 +19,12 @@ import os
 import platform
 import shutil
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import jax
 
+from m2r2_jax.atomic import write_text_atomic
 from m2r2_jax.bench import report as R
 from m2r2_jax.bench import speculative as S
 from m2r2_jax.data.corpus import embedded_split
@@ -129,10 +129,7 @@ def heldout_prompts(tok, n: int, length: int) -> list:
 
 
 def _write_json(path: Path, obj) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
-    with os.fdopen(fd, "w") as f:
-        json.dump(obj, f, indent=2)
-    os.replace(tmp, path)
+    write_text_atomic(path, json.dumps(obj, indent=2))
 
 
 def run_demo(out, budget_name: str = "full", force: bool = False, skip_moe: bool = False) -> dict:

@@ -7,11 +7,11 @@ against compute spent, on held-out text. Writes DIR/alignment.json and DIR/align
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from pathlib import Path
 
 from absl import flags
+
+from m2r2_jax.atomic import write_text_atomic
 
 flags.DEFINE_string("checkpoint", None, "base model directory")
 flags.DEFINE_string("m2r2", None, "M2R2 checkpoint directory (omit: freshly initialised M2R2 parameters)")
@@ -62,10 +62,7 @@ def main(argv):
     record["fresh_m2r2_params"] = fresh
     out = Path(FLAGS.out)
     out.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=out, suffix=".json.tmp")
-    with os.fdopen(fd, "w") as f:
-        json.dump(record, f, indent=2)
-    os.replace(tmp, out / "alignment.json")
+    write_text_atomic(out / "alignment.json", json.dumps(record, indent=2))
     analysis.plot_alignment(record, out / "alignment.png")
     print(json.dumps({k: record[k] for k in ("slow_agreement", "fast_agreement", "slow_cost", "fast_cost",
                                             "fast_beats_slow_at_equal_compute")}, indent=1))

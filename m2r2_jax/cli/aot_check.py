@@ -66,26 +66,12 @@ def main(argv):
                                           m2r2_cfg=mcfg, device_memory_bytes=memory, headroom=FLAGS.headroom))
     text = json.dumps({"checks": reports}, indent=2)
     if FLAGS.out:
-        _write_atomic(FLAGS.out, text + "\n")
+        from m2r2_jax.atomic import write_text_atomic
+
+        write_text_atomic(FLAGS.out, text + "\n")
     print(text)
     if any(r.get("fits") is False for r in reports):
         print("m2r2: does not fit: " + "; ".join(f"{r['program']} needs {r['per_device_gib']} GiB per device"
                                                  for r in reports if r.get("fits") is False), file=sys.stderr)
         sys.exit(1)
 
-
-def _write_atomic(path, text: str) -> None:
-    import os
-    import tempfile
-    from pathlib import Path
-
-    out = Path(path).absolute()
-    fd, tmp = tempfile.mkstemp(prefix=out.name + ".tmp-", dir=out.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, out)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise

@@ -90,22 +90,12 @@ def read_prompts(path, tokenizer):
 
 def write_jsonl_atomic(path, rows) -> None:
     import json
-    import os
-    import tempfile
     from pathlib import Path
 
-    out = Path(path).absolute()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=out.name + ".tmp-", dir=out.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            for row in rows:
-                f.write(json.dumps(row) + "\n")
-        os.replace(tmp, out)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    from m2r2_jax.atomic import write_text_atomic
+
+    Path(path).absolute().parent.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(path, "".join(json.dumps(row) + "\n" for row in rows))
 
 
 def main(argv):

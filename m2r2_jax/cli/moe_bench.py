@@ -11,12 +11,12 @@ and the report says so.
 from __future__ import annotations
 
 import json
-import os
 import sys
-import tempfile
 from pathlib import Path
 
 from absl import flags
+
+from m2r2_jax.atomic import write_text_atomic
 
 flags.DEFINE_string("checkpoint", None, "MoE base model directory")
 flags.DEFINE_string("m2r2", None, "M2R2 checkpoint trained on this base (omit: fresh untrained M2R2 params)")
@@ -92,10 +92,7 @@ def main(argv):
     out = Path(FLAGS.out)
     out.mkdir(parents=True, exist_ok=True)
     plots = write_plots(report, out)
-    fd, tmp = tempfile.mkstemp(prefix="moe_report.", suffix=".tmp", dir=out)
-    with os.fdopen(fd, "w") as f:
-        json.dump(report, f, indent=2, sort_keys=True, default=float)
-    os.replace(tmp, out / "moe_report.json")
+    write_text_atomic(out / "moe_report.json", json.dumps(report, indent=2, sort_keys=True, default=float))
     print(json.dumps({"report": str(out / "moe_report.json"), "plots": plots, "fresh_m2r2_params": fresh,
                       "recall": report["recall"], "hit_rate": report["hit_rate"],
                       "simulated_speedup": report["simulated_speedup"], "targets": report["targets"]}, indent=2))

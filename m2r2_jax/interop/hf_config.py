@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from m2r2_jax.errors import CheckpointError, ConfigError
+from m2r2_jax.json_files import read_json_object
 from m2r2_jax.models.config import DTYPES, ModelConfig, RopeScaling
 
 # model_type -> the causal-LM architecture class transformers uses for it
@@ -64,13 +65,7 @@ def read_config_json(path) -> dict[str, Any]:
         p = p / "config.json"
     if not p.is_file():
         raise CheckpointError(f"{p} not found: expected a Hugging Face model directory with config.json")
-    try:
-        d = json.loads(p.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ConfigError(f"{p} is not valid JSON: {e}") from None
-    if not isinstance(d, dict):
-        raise ConfigError(f"{p} must hold a JSON object, got {type(d).__name__}")
-    return d
+    return read_json_object(p, ConfigError)
 
 
 def checkpoint_dtype(d: dict[str, Any]) -> Optional[str]:

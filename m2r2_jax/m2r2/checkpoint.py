@@ -16,6 +16,7 @@ import jax
 
 from m2r2_jax.atomic import atomic_directory
 from m2r2_jax.errors import CheckpointError, ConfigError
+from m2r2_jax.json_files import read_json_object
 from m2r2_jax.m2r2.config import M2R2Config
 from m2r2_jax.m2r2.fast_stream import init_m2r2_params
 from m2r2_jax.models.checkpoint import restore_pytree, save_pytree
@@ -51,12 +52,7 @@ def load_m2r2(directory, base_cfg: ModelConfig, base_fingerprint: str):
     base_file = directory / BASE_FILE
     if not base_file.is_file():
         raise CheckpointError(f"{directory} is not an M2R2 checkpoint: {BASE_FILE} is missing")
-    try:
-        meta = json.loads(base_file.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{base_file} is not valid JSON: {e}") from None
-    if not isinstance(meta, dict):
-        raise CheckpointError(f"{base_file} is not valid: expected a JSON object")
+    meta = read_json_object(base_file)
     if meta.get("config") != json.loads(base_cfg.to_json()):
         raise CheckpointError(f"M2R2 checkpoint {directory} was trained on a different base architecture")
     if meta.get("fingerprint") != base_fingerprint:

@@ -26,6 +26,7 @@ import orbax.checkpoint as ocp
 
 from m2r2_jax.atomic import atomic_directory
 from m2r2_jax.errors import CheckpointError
+from m2r2_jax.json_files import read_json_object
 from m2r2_jax.models.config import CONFIG_FILE, ModelConfig, read_model_config
 from m2r2_jax.models.transformer import init_params
 
@@ -80,10 +81,7 @@ def load_fingerprint(directory) -> str:
     path = Path(directory) / FINGERPRINT_FILE
     if not path.is_file():
         raise CheckpointError(f"{directory} has no {FINGERPRINT_FILE}")
-    try:
-        fingerprint = json.loads(path.read_text())["fingerprint"]
-    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError):
-        raise CheckpointError(f"{path} is not a valid fingerprint file") from None
+    fingerprint = read_json_object(path).get("fingerprint")
     if not isinstance(fingerprint, str):
         raise CheckpointError(f"{path} is not a valid fingerprint file")
     return fingerprint

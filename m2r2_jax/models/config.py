@@ -155,9 +155,10 @@ def read_model_config(directory) -> ModelConfig:
     path = Path(directory) / CONFIG_FILE
     if not path.is_file():
         raise CheckpointError(f"{directory} is not a model checkpoint: {CONFIG_FILE} is missing")
+    from m2r2_jax.json_files import read_json_object
+
+    data = read_json_object(path)
     try:
-        return ModelConfig.from_dict(json.loads(path.read_text())).validate()
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{path} is not valid JSON: {e}") from None
+        return ModelConfig.from_dict(data).validate()
     except (ConfigError, TypeError) as e:
         raise CheckpointError(f"{path}: {e}") from None
