@@ -295,8 +295,7 @@ quality is ROUGE-L and token agreement against the full model's greedy answers.
 '''),
         code('''
 early = S.early_exit_sweep(base_cfg, base_params, prompts, max_new_tokens=MAX_NEW_TOKENS, thresholds=THRESHOLDS,
-                           m2r2=(mcfg, m2r2_params), methods=EXIT_METHODS, repeats=REPEATS,
-                           ar_reference=(spec["ar"]["answers"], spec["ar"]["tokens_per_s"]), progress=print)
+                           m2r2=(mcfg, m2r2_params), methods=EXIT_METHODS, repeats=REPEATS, progress=print)
 for m, rows in early.items():
     for r in rows:
         print(f"{m:<14} tau={r['threshold']:<4} speedup {r['speedup']:.2f}  ROUGE-L {r['rouge_l']:.3f}  "
@@ -333,13 +332,16 @@ layer's input *early*, so its own routing predicts which experts a later layer w
 copies can start before the slow stream gets there. This notebook:
 
 1. pre-trains the embedded tiny MoE (`configs/models/tiny_moe.py`: 8 layers, 8 experts, top-2);
-2. distills M2R2 on it (`configs/m2r2/tiny_moe.py`: the fast stream runs the experts its own
-   router picks);
-3. records the true routing of greedy decoding and every predictor's guess, and scores them
-   (recall@k per layer and by lookahead) — predicted against actual routing;
+2. distills M2R2 on it (`configs/m2r2/tiny_moe.py`: at MoE layers the fast stream runs a dense
+   low-rank MLP instead of experts, so it moves no expert bytes of its own; its routers' outputs
+   are the predictions);
+3. records the true routing along held-out text (teacher-forced, as `make demo` does: a briefly
+   trained model's greedy output loops on a few tokens whose routing never changes) and every
+   predictor's guess, and scores them (recall@k per layer and by lookahead);
 4. replays the trace through the cost model of real MoE shapes (Mixtral-8x7B, OLMoE) on named
    platforms (phone flash, PCIe Gen4/Gen5, NVLink-C2C) and reports simulated speedups over
-   on-demand loading with an LRU cache, plus the real offload engine on this machine.
+   on-demand loading with an LRU cache, up to the ceilings no predictor can pass (Belady's
+   eviction, which knows the future), plus the real offload engine on this machine.
 
 The CLI equivalent of steps 3-4 is `m2r2 moe-bench --checkpoint MOE_CKPT --m2r2 M2R2 --prompts FILE.jsonl --out DIR`.
 '''),
@@ -353,13 +355,13 @@ BATCH_SIZE = 8
 SEQ_LEN = 128
 N_PROMPTS = 3                     # held-out prompts decoded for the routing trace
 PROMPT_LEN = 32
-MAX_NEW_TOKENS = 96               # greedy tokens per prompt
+MAX_NEW_TOKENS = 96               # held-out tokens fed after each prompt (the trace)
 CAPACITY = None                   # device expert slots per layer (None: 2 x experts per token)
 SHAPES = ("mixtral-8x7b", "olmoe-1b-7b")                             # real model shapes of the cost model
 PLATFORMS = ("phone_flash", "pcie_gen4", "pcie_gen5", "nvlink_c2c")  # named platforms
 RUN_REAL_ENGINE = True            # also run the real offload engine (slow: per-layer Python control)
 MODEL_OVERRIDES = {}              # tiny MoE fields, e.g. {"n_experts": 16}
-M2R2_OVERRIDES = {}               # e.g. {"moe_fast_mlp": "lowrank"}
+M2R2_OVERRIDES = {}               # e.g. {"moe_fast_mlp": "experts"} (or "none")
 DATA_OVERRIDES = {}               # training text, e.g. {"split": "all"} (fields of the config's data section)
 ''')),
         md(SETUP_MD),
@@ -403,7 +405,7 @@ print(f"{base_cfg.family}: {base_cfg.n_layers} layers, {base_cfg.n_experts} expe
         md('''
 ## 2. Predicted against actual routing, and simulated speedups
 
-`moe_report` greedy-decodes the prompts, records which experts every layer really picked and what
+`moe_report` feeds each prompt and its held-out continuation, records which experts every layer really picked and what
 each predictor guessed: `next_gate` (the next layer's router applied to the current hidden state),
 `m2r2` (the fast stream's routing, issued when the fast stream passes the layer) and `oracle` (the
 true routing, an upper bound). Recall@k is the share of the truly picked experts among a
@@ -412,14 +414,15 @@ sequential compute, a cache of `capacity` expert slots per layer; every assumpti
 the report.
 '''),
         code('''
-prompts = heldout_prompts(tok, N_PROMPTS, PROMPT_LEN)
-report = moe_report(base_cfg, base_params, mcfg, m2r2_params, prompts, max_new_tokens=MAX_NEW_TOKENS,
+texts = heldout_prompts(tok, N_PROMPTS, PROMPT_LEN + MAX_NEW_TOKENS)
+report = moe_report(base_cfg, base_params, mcfg, m2r2_params, [t[:PROMPT_LEN] for t in texts],
+                    max_new_tokens=MAX_NEW_TOKENS, continuations=[t[PROMPT_LEN:] for t in texts],
                     capacity=CAPACITY, shapes=SHAPES, platforms=PLATFORMS, run_real_engine=RUN_REAL_ENGINE)
 plots = write_plots(report, OUT)
 (OUT / "moe_report.json").write_text(json.dumps(report, indent=2, sort_keys=True, default=float))
 
-print(f"trace: {report['trace']['decoded_tokens']} decoded tokens; decoding while recording equals plain "
-      f"greedy decoding: {report['trace']['trace_tokens_equal_reference']}")
+print(f"trace: {report['trace']['decoded_tokens']} tokens of held-out text (teacher-forced: "
+      f"{report['trace']['teacher_forced']}), {report['trace']['distinct_token_fraction']:.0%} distinct")
 print("recall@k (mean over layers):", {p: round(v, 3) for p, v in report["recall"].items()})
 print("\\nrecall@k per layer (layers before the branch have no m2r2 prediction of their own)")
 per_layer = report["recall_per_layer"]
@@ -435,9 +438,11 @@ print(f"cache hit rate (capacity {report['capacity']} slots per layer):",
       {r: round(v, 3) for r, v in report["hit_rate"].items()})
 print(f"\\nsimulated speedup vs on-demand loading + LRU ({report['simulated_speedup_model']} costs)")
 plats = list(PLATFORMS)
-print(f"{'':<14}" + "".join(f"{p:>13}" for p in plats))
+print(f"{'':<18}" + "".join(f"{p:>13}" for p in plats))
 for rung, per_plat in report["simulated_speedup"].items():
-    print(f"{rung:<14}" + "".join(f"{per_plat[p]:>13.2f}" for p in plats))
+    print(f"{rung:<18}" + "".join(f"{per_plat[p]:>13.2f}" for p in plats))
+print("\nceiling per platform (no policy can beat it on this trace):",
+      {p: round(c["bound_speedup_vs_on_demand_lru"], 2) for p, c in report["ceiling"].items()})
 print("\\nrho = expert transfer time / layer compute time:",
       {p: round(report["simulation"][report["simulated_speedup_model"]][p]["costs"]["rho"], 2) for p in plats})
 for name in ("simulated_speedup.png", "speedup_vs_rho.png"):

@@ -1,4 +1,5 @@
-"""Mixtral 8x7B (mistralai/Mixtral-8x7B-v0.1 config.json): 32 layers, 8 experts, top-2, GQA 32/8."""
+"""Mixtral 8x7B (mistralai/Mixtral-8x7B-v0.1 config.json): 32 layers, 8 experts, top-2, GQA 32/8;
+load-balancing loss weight = its router_aux_loss_coef (0.02)."""
 
 from m2r2_jax.training.config import base_config
 
@@ -11,5 +12,6 @@ def get_config():
         rms_eps=1e-5, rope_theta=1000000.0, tie_embeddings=False, dtype="bfloat16", param_dtype="bfloat16",
     ))
     cfg.data.update(dict(seq_len=4096, tokenizer="/path/to/Mixtral-8x7B-v0.1/tokenizer.model"))
-    cfg.train.update(dict(batch_size=256, learning_rate=3e-4, warmup_steps=2000, steps=100000))
+    cfg.train.update(dict(batch_size=256, learning_rate=3e-4, warmup_steps=2000, steps=100000,
+                          moe_aux_loss_coef=0.02))
     return cfg

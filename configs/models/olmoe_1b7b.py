@@ -1,5 +1,6 @@
 """OLMoE-1B-7B (allenai/OLMoE-1B-7B-0924 config.json): 16 layers, 64 experts, top-8, q/k norms,
-routing weights not renormalised over the top-k."""
+routing weights not renormalised over the top-k; load-balancing loss weight = its
+router_aux_loss_coef (0.01)."""
 
 from m2r2_jax.training.config import base_config
 
@@ -13,5 +14,6 @@ def get_config():
         dtype="bfloat16", param_dtype="bfloat16",
     ))
     cfg.data.update(dict(seq_len=4096, tokenizer="/path/to/OLMoE-1B-7B-0924/tokenizer.json"))
-    cfg.train.update(dict(batch_size=256, learning_rate=3e-4, warmup_steps=2000, steps=100000))
+    cfg.train.update(dict(batch_size=256, learning_rate=3e-4, warmup_steps=2000, steps=100000,
+                          moe_aux_loss_coef=0.01))
     return cfg

@@ -7,6 +7,7 @@ import json
 from importlib import resources
 from pathlib import Path
 
+from m2r2_jax.data.prompt_files import read_prompt_file
 from m2r2_jax.errors import DataError
 
 PROMPT_SETS = {
@@ -34,44 +35,14 @@ def _text_of(record: dict) -> str:
 
 
 def load_prompt_set(name_or_file: str) -> list:
-    """A list of prompts: each a str (text) or a list of ints (token ids)."""
-    if name_or_file in PROMPT_SETS:
-        text = resources.files("m2r2_jax.data").joinpath("prompts", PROMPT_SETS[name_or_file]).read_text("utf-8")
-        source = name_or_file
-        generic = False
-    else:
-        path = Path(name_or_file)
-        if not path.is_file():
+    """A list of prompts: each a str (text) or a list of ints (token ids). A shipped set by name,
+    else a user JSONL file (`data.prompt_files`: "prompt" text or "tokens" ids per line)."""
+    if name_or_file not in PROMPT_SETS:
+        if not Path(name_or_file).is_file():
             raise DataError(f"--prompts {name_or_file}: not a prompt set ({', '.join(PROMPT_SETS)}) nor a file")
-        try:
-            text = path.read_text("utf-8")
-        except UnicodeDecodeError:
-            raise DataError(f"{path} is not UTF-8 text") from None
-        source, generic = str(path), True
-    out = []
-    for i, line in enumerate(text.splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise DataError(f"{source} line {i}: invalid JSON ({e.msg})") from None
-        if not isinstance(rec, dict):
-            raise DataError(f"{source} line {i}: expected a JSON object")
-        if generic:
-            if "tokens" in rec:
-                toks = rec["tokens"]
-                if not isinstance(toks, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in toks):
-                    raise DataError(f"{source} line {i}: \"tokens\" must be a list of integer ids")
-                out.append(toks)
-            elif "prompt" in rec:
-                if not isinstance(rec["prompt"], str):
-                    raise DataError(f"{source} line {i}: \"prompt\" must be a string")
-                out.append(rec["prompt"])
-            else:
-                raise DataError(f"{source} line {i}: expected a \"prompt\" or \"tokens\" field")
-        else:
-            out.append(_text_of(rec))
+        return read_prompt_file(name_or_file, encode=False)[0]
+    text = resources.files("m2r2_jax.data").joinpath("prompts", PROMPT_SETS[name_or_file]).read_text("utf-8")
+    out = [_text_of(json.loads(line)) for line in text.splitlines() if line.strip()]
     if not out:
-        raise DataError(f"{source} holds no prompts")
+        raise DataError(f"{name_or_file} holds no prompts")
     return out

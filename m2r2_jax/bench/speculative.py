@@ -16,7 +16,7 @@ is the implementation efficiency (what the loop, padding and bookkeeping cost on
 from __future__ import annotations
 
 import time
-from typing import Optional, Sequence
+from typing import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -40,90 +40,144 @@ def _run(engine, prompts, batch_size, width, tau):
     return api.run_engine(engine, prompts, batch_size=batch_size, width=width, tau=tau, fixed_batch=True)
 
 
+def _rotations(names: Sequence[str], r: int) -> list:
+    """The method order of repeat r: rotated by one place per repeat, so no method always runs
+    first (right after another method's compile or warm caches) or last."""
+    k = r % max(len(names), 1)
+    return list(names[k:]) + list(names[:k])
+
+
+def per_answer_timing_side_by_side(runners: dict, prompts: Sequence[Sequence[int]], width: int,
+                                   repeats: int, bar: str = "") -> dict:
+    """Batch 1, every runner side by side. `runners` maps a name to (engine, tau). For each repeat
+    and each prompt the runners go one after another (order rotating), so slow drifts of a shared
+    machine's load hit every method alike instead of whichever method happened to be timed during
+    them. Each answer's time is the median of its `repeats`.
+    With `bar`, a progress bar of that name counts compiles and timed answers.
+    Returns {name: (results, tokens_per_s, seconds)}, each a list over prompts."""
+    from tqdm.auto import tqdm
+
+    names = list(runners)
+    progress = tqdm(total=len(names) * (1 + repeats * len(prompts)), desc=bar, disable=not bar, leave=False)
+    for m in names:
+        engine, tau = runners[m]
+        _run(engine, [prompts[0]], 1, width, tau)  # compile
+        progress.update()
+    times = {m: [[] for _ in prompts] for m in names}
+    results = {m: [None] * len(prompts) for m in names}
+    for r in range(repeats):
+        for i, p in enumerate(prompts):
+            for m in _rotations(names, r + i):
+                engine, tau = runners[m]
+                t0 = time.perf_counter()
+                res = _run(engine, [p], 1, width, tau)  # returns host values: synchronised
+                times[m][i].append(time.perf_counter() - t0)
+                results[m][i] = res[0]
+                progress.update()
+    progress.close()
+    out = {}
+    for m in names:
+        med = [float(np.median(t)) for t in times[m]]
+        out[m] = (results[m], [len(res.tokens) / t for res, t in zip(results[m], med)], med)
+    return out
+
+
 def per_answer_timing(engine, prompts: Sequence[Sequence[int]], width: int, repeats: int, tau: float = 0.5):
     """Batch 1: each answer generated and timed on its own (median of `repeats`)."""
-    results, tps, times = [], [], []
-    _run(engine, [prompts[0]], 1, width, tau)  # compile
-    for p in prompts:
-        res = None
-
-        def once():
-            nonlocal res
-            res = _run(engine, [p], 1, width, tau)
-            return jnp.zeros(())
-
-        med, _ = _median_time(once, repeats)
-        results.append(res[0])
-        times.append(med)
-        tps.append(len(res[0].tokens) / med)
-    return results, tps, times
+    return per_answer_timing_side_by_side({"m": (engine, tau)}, prompts, width, repeats)["m"]
 
 
-def batch_throughput(engine, prompts, batch_size: int, width: int, repeats: int, tau: float = 0.5) -> dict:
-    """Tokens/s of the whole prompt set at a given batch size (median over repeats)."""
+def batch_throughput_side_by_side(engines: dict, prompts, batch_size: int, width: int, repeats: int,
+                                  tau: float = 0.5) -> dict:
+    """Tokens/s of the whole prompt set at a given batch size for every engine, timed side by side
+    (order rotating per repeat; median over repeats). Returns {name: row}."""
     reps = max(1, -(-batch_size // len(prompts)))  # enough prompts to fill at least one batch
     pool = (list(prompts) * reps)[: max(batch_size, len(prompts))]
-    _run(engine, pool[:batch_size], batch_size, width, tau)  # compile
+    names = list(engines)
+    for m in names:
+        _run(engines[m], pool[:batch_size], batch_size, width, tau)  # compile
+    times = {m: [] for m in names}
+    results = {}
+    for r in range(repeats):
+        for m in _rotations(names, r):
+            t0 = time.perf_counter()
+            results[m] = _run(engines[m], pool, batch_size, width, tau)
+            times[m].append(time.perf_counter() - t0)
     out = {}
-
-    def once():
-        out["res"] = _run(engine, pool, batch_size, width, tau)
-        return jnp.zeros(())
-
-    med, times = _median_time(once, repeats)
-    n_tokens = sum(len(r.tokens) for r in out["res"])
-    return {"batch_size": batch_size, "tokens_per_s": n_tokens / med, "seconds": med,
-            "seconds_all": times, "tokens": n_tokens,
-            "mean_accepted_tokens": float(np.mean([a for r in out["res"] for a in r.accepted])) if out["res"][0].accepted else 1.0}
+    for m in names:
+        med = float(np.median(times[m]))
+        n_tokens = sum(len(r.tokens) for r in results[m])
+        acc = [a for r in results[m] for a in r.accepted]
+        out[m] = {"batch_size": batch_size, "tokens_per_s": n_tokens / med, "seconds": med,
+                  "seconds_all": times[m], "tokens": n_tokens,
+                  "mean_accepted_tokens": float(np.mean(acc)) if acc else 1.0}
+    return out
 
 
-def _in_graph_seconds(fn, carry, repeats: int, n_short: int = 2, n_long: int = 12) -> float:
-    """Seconds per application of `fn` (carry -> carry) measured inside one compiled loop, so
-    dispatch and host overheads cancel: (t(n_long) - t(n_short)) / (n_long - n_short). The carry
-    threads the cache through every iteration, so nothing can be hoisted out of the loop."""
+def in_graph_seconds(components: dict, repeats: int = 7, n_short: int = 2, n_long: int = 18) -> dict:
+    """Seconds per application of each `fn` (carry -> carry) in `components` {name: (fn, carry)},
+    measured inside one compiled loop whose trip count is a runtime argument (one compile per
+    component): (t(n_long) - t(n_short)) / (n_long - n_short), so dispatch and host overheads
+    cancel. The carry threads the cache through every iteration, so nothing can be hoisted out of
+    the loop. The components are timed side by side (order rotating per repeat) and each one's
+    short and long runs back to back; the result is the median over repeats of the per-repeat
+    difference. Returns {name: {"seconds": s, "spread": [min, max] over repeats}}."""
+    looped = {}
+    for name, (fn, carry) in components.items():
+        f = jax.jit(lambda c, n, fn=fn: jax.lax.fori_loop(0, n, lambda i, c: fn(c), c))
+        jax.block_until_ready(f(carry, n_short))  # compile (n is traced: the same program for both)
+        looped[name] = (f, carry)
+    per = {name: [] for name in components}
+    names = list(components)
+    for r in range(repeats):
+        for name in _rotations(names, r):
+            f, carry = looped[name]
+            t = {}
+            for n in (n_short, n_long):
+                t0 = time.perf_counter()
+                jax.block_until_ready(f(carry, n))
+                t[n] = time.perf_counter() - t0
+            per[name].append(max(t[n_long] - t[n_short], 1e-9) / (n_long - n_short))
+    return {name: {"seconds": float(np.median(v)), "spread": [float(min(v)), float(max(v))]}
+            for name, v in per.items()}
 
-    def looped(n):
-        return jax.jit(lambda c: jax.lax.fori_loop(0, n, lambda i, c: fn(c), c))
 
-    short, long_ = looped(n_short), looped(n_long)
-    jax.block_until_ready(short(carry))
-    jax.block_until_ready(long_(carry))
-    t_short, _ = _median_time(lambda: short(carry), repeats)
-    t_long, _ = _median_time(lambda: long_(carry), repeats)
-    return max(t_long - t_short, 1e-9) / (n_long - n_short)
-
-
-def round_costs(engine, ar_engine, prompt: Sequence[int], width: int, repeats: int = 5) -> dict:
-    """Seconds of one ar decoding step, one draft phase (gamma tokens) and one verification pass
-    over gamma + 1 positions, batch 1, each measured inside a compiled loop."""
+def round_costs(engines: dict, ar_engine, prompt: Sequence[int], width: int, repeats: int = 7) -> dict:
+    """Seconds of one ar decoding step and, for each speculative engine in `engines` {name: engine},
+    one draft phase (gamma tokens) and one verification pass over gamma + 1 positions, batch 1,
+    all measured side by side inside compiled loops (`in_graph_seconds`).
+    Returns {"ar": {"t_ar_step"}, name: {"t_ar_step", "t_draft", "t_verify", ratios, spreads}}."""
     from m2r2_jax.decoding import speculative as SP
 
     toks, lengths, valid = api.pad_batch([prompt], 1, width)
     keys = api.sequence_keys(0, [0])
     tau = jnp.float32(0.5)
     st_ar = api.prefill_batch(ar_engine.spec, ar_engine.params, toks, lengths, keys, valid)
-    ar_step = api._round_fn(ar_engine.spec, ar_engine.params, tau)
-    t_ar = _in_graph_seconds(ar_step, st_ar, repeats)
-    out = {"t_ar_step": t_ar}
-    if engine is None:
-        return out
-    spec, params = engine.spec, engine.params
-    st = api.prefill_batch(spec, params, toks, lengths, keys, valid)
+    components = {("ar", "step"): (api._round_fn(ar_engine.spec, ar_engine.params, tau), st_ar)}
+    for m, engine in engines.items():
+        spec, params = engine.spec, engine.params
+        st = api.prefill_batch(spec, params, toks, lengths, keys, valid)
 
-    def draft_phase(st):
-        d = SP.draft(spec.drafter, spec.sampling, spec.gamma, False, params, st, tau, st.keys)
-        return st._replace(cache=d[4], dstate=d[5])
+        def draft_phase(st, spec=spec, params=params):
+            d = SP.draft(spec.drafter, spec.sampling, spec.gamma, False, params, st, tau, st.keys)
+            return st._replace(cache=d[4], dstate=d[5])
 
-    drafts = SP.draft(spec.drafter, spec.sampling, spec.gamma, False, params, st, tau, st.keys)[0]
+        drafts = SP.draft(spec.drafter, spec.sampling, spec.gamma, False, params, st, tau, st.keys)[0]
 
-    def verify_pass(st):
-        return st._replace(cache=SP.verify(spec.cfg, params, st, st.cache, drafts)[1])
+        def verify_pass(st, spec=spec, params=params, drafts=drafts):
+            return st._replace(cache=SP.verify(spec.cfg, params, st, st.cache, drafts)[1])
 
-    t_draft = _in_graph_seconds(draft_phase, st, repeats)
-    t_verify = _in_graph_seconds(verify_pass, st, repeats)
-    out.update({"t_draft": t_draft, "t_verify": t_verify,
-                "draft_cost_per_token": t_draft / spec.gamma / t_ar,
-                "verify_cost_ratio": t_verify / t_ar})
+        components[(m, "draft")] = (draft_phase, st)
+        components[(m, "verify")] = (verify_pass, st)
+    timed = in_graph_seconds(components, repeats)
+    t_ar = timed[("ar", "step")]["seconds"]
+    out = {"ar": {"t_ar_step": t_ar, "t_ar_step_spread": timed[("ar", "step")]["spread"]}}
+    for m, engine in engines.items():
+        d, v = timed[(m, "draft")], timed[(m, "verify")]
+        out[m] = {"t_ar_step": t_ar, "t_draft": d["seconds"], "t_verify": v["seconds"],
+                  "t_draft_spread": d["spread"], "t_verify_spread": v["spread"],
+                  "draft_cost_per_token": d["seconds"] / engine.spec.gamma / t_ar,
+                  "verify_cost_ratio": v["seconds"] / t_ar}
     return out
 
 
@@ -161,42 +215,50 @@ def compare_methods(
             continue
         engines[m] = api.build_engine(m, cfg, base_params, max_new_tokens=max_new_tokens, gamma=gamma,
                                       m2r2=m2r2, draft=draft, plan=plan)
-    out: dict = {}
-    ar_results = None
-    for m, eng in engines.items():
+    if progress:
+        progress(f"speculative: batch 1, {', '.join(engines)} side by side")
+    timed = per_answer_timing_side_by_side({m: (e, 0.5) for m, e in engines.items()}, prompts, width, repeats,
+                                           bar="speculative b=1" if progress else "")
+    sweeps = {m: [] for m in engines}
+    for bs in batch_sizes:
         if progress:
-            progress(f"speculative: {m}")
-        results, tps, times = per_answer_timing(eng, prompts, width, repeats)
+            progress(f"speculative: batch {bs}")
+        row = batch_throughput_side_by_side(engines, prompts, bs, width, repeats)
+        for m in engines:
+            sweeps[m].append(row[m])
+    if progress:
+        progress("speculative: draft, verify and ar step costs in compiled loops")
+    costs = round_costs({m: e for m, e in engines.items() if m != "ar"}, engines["ar"], prompts[0], width)
+
+    out: dict = {}
+    ar_results = timed["ar"][0]
+    for m, eng in engines.items():
+        results, tps, times = timed[m]
         rec = {"tokens_per_s": float(np.mean(tps)), "tokens_per_s_per_answer": tps, "seconds_per_answer": times,
                "generated_tokens": int(sum(len(r.tokens) for r in results)),
-               "answers": [r.tokens for r in results]}
+               "answers": [r.tokens for r in results], "costs": costs[m], "batch_sweep": sweeps[m]}
+        rec["layers_per_token"] = float(np.mean([r.layers_per_token for r in results]))
+        rec["identical_to_ar"] = m != "ar" and all(a.tokens == b.tokens for a, b in zip(results, ar_results))
         if m == "ar":
-            ar_results = results
-            rec["mean_accepted_tokens"] = 1.0
+            rec.update(mean_accepted_tokens=1.0, efficiency=1.0)
         else:
             rec["mean_accepted_tokens"] = float(np.mean([a for r in results for a in r.accepted]))
             rec["acceptance_by_position"] = acceptance_by_position(results, gamma)
             rec["gamma"] = gamma
             rec["draft_cost_layers"] = float(eng.spec.drafter.cost_per_token())
             rec["draft_cost_ratio_layers"] = api.draft_cost_ratio(eng.spec)
-        rec["layers_per_token"] = float(np.mean([r.layers_per_token for r in results]))
-        rec["identical_to_ar"] = (ar_results is not None and
-                                  all(a.tokens == b.tokens for a, b in zip(results, ar_results)))
-        rec["batch_sweep"] = [batch_throughput(eng, prompts, bs, width, repeats) for bs in batch_sizes]
         out[m] = rec
     ar = out["ar"]
-    costs_ar = round_costs(None, engines["ar"], prompts[0], width)
     for m, rec in out.items():
         rec["speedup_vs_ar"] = rec["tokens_per_s"] / ar["tokens_per_s"]
+        rec["speedup_vs_ar_per_answer"] = [a / b for a, b in zip(rec["tokens_per_s_per_answer"],
+                                                                 ar["tokens_per_s_per_answer"])]
         for i, b in enumerate(rec["batch_sweep"]):
             b["speedup_vs_ar"] = b["tokens_per_s"] / ar["batch_sweep"][i]["tokens_per_s"]
         if m == "ar":
-            rec["efficiency"] = 1.0
-            rec["costs"] = costs_ar
             continue
-        costs = round_costs(engines[m], engines["ar"], prompts[0], width)
-        rec["costs"] = costs
-        ideal = rec["mean_accepted_tokens"] * costs["t_ar_step"] / (costs["t_draft"] + costs["t_verify"])
+        c = rec["costs"]
+        ideal = rec["mean_accepted_tokens"] * c["t_ar_step"] / (c["t_draft"] + c["t_verify"])
         rec["ideal_speedup"] = float(ideal)
         rec["efficiency"] = float(rec["speedup_vs_ar"] / ideal)
         # hardware-independent prediction for a device where verifying gamma+1 tokens costs one step
@@ -221,23 +283,27 @@ def token_agreement(candidate: Sequence[int], reference: Sequence[int]) -> float
 
 
 def early_exit_sweep(cfg, base_params, prompts, *, max_new_tokens: int, thresholds: Sequence[float], m2r2=None,
-                     methods=("m2r2_exit", "distance_exit"), repeats: int = 3, ar_reference=None,
-                     progress=None) -> dict:
-    """Quality (vs the full model's greedy output) against speed for early-exit deciders."""
+                     methods=("m2r2_exit", "distance_exit"), repeats: int = 3, progress=None) -> dict:
+    """Quality (vs the full model's greedy output) against speed for early-exit deciders. Every
+    (method, threshold) and plain decoding are timed side by side in one sweep, so each speedup
+    is measured against ar under the same machine load."""
     width = max(len(p) for p in prompts)
-    ar_engine = api.build_engine("ar", cfg, base_params, max_new_tokens=max_new_tokens)
-    if ar_reference is None:
-        ar_results, ar_tps, _ = per_answer_timing(ar_engine, prompts, width, repeats)
-        ar_reference = ([r.tokens for r in ar_results], float(np.mean(ar_tps)))
-    ref_tokens, ar_tps = ar_reference
-    out = {}
+    runners = {"ar": (api.build_engine("ar", cfg, base_params, max_new_tokens=max_new_tokens), 0.5)}
     for m in methods:
         eng = api.build_engine(m, cfg, base_params, max_new_tokens=max_new_tokens, m2r2=m2r2)
+        for tau in thresholds:
+            runners[(m, float(tau))] = (eng, float(tau))
+    if progress:
+        progress(f"early exit: {', '.join(methods)} at tau {', '.join(str(t) for t in thresholds)} "
+                 "side by side with ar")
+    timed = per_answer_timing_side_by_side(runners, prompts, width, repeats, bar="early exit" if progress else "")
+    ref_tokens = [r.tokens for r in timed["ar"][0]]
+    ar_tps = float(np.mean(timed["ar"][1]))
+    out = {}
+    for m in methods:
         rows = []
         for tau in thresholds:
-            if progress:
-                progress(f"early exit: {m} tau={tau}")
-            results, tps, _ = per_answer_timing(eng, prompts, width, repeats, tau=tau)
+            results, tps, _ = timed[(m, float(tau))]
             rows.append({
                 "threshold": float(tau),
                 "speedup": float(np.mean(tps) / ar_tps),
@@ -248,10 +314,3 @@ def early_exit_sweep(cfg, base_params, prompts, *, max_new_tokens: int, threshol
             })
         out[m] = rows
     return out
-
-
-def ar_reference(cfg, base_params, prompts, max_new_tokens: int, repeats: int = 3) -> Optional[tuple]:
-    width = max(len(p) for p in prompts)
-    eng = api.build_engine("ar", cfg, base_params, max_new_tokens=max_new_tokens)
-    results, tps, _ = per_answer_timing(eng, prompts, width, repeats)
-    return [r.tokens for r in results], float(np.mean(tps))

@@ -26,6 +26,8 @@ flags.DEFINE_integer("gamma", 4, "draft length", lower_bound=1)
 flags.DEFINE_list("batch_sizes", ["1", "4", "16"], "batch sizes of the throughput sweep")
 flags.DEFINE_integer("repeats", 3, "timing repeats (median kept)", lower_bound=1)
 flags.DEFINE_string("out", None, "output directory")
+flags.DEFINE_integer("cpu_cores", 0, "CPU benchmarks: pin the process to the first N cores it may use "
+                     "before JAX starts (0: all); see m2r2_jax/bench/cpu_cores.py", lower_bound=0)
 flags.mark_flags_as_required(["checkpoint", "out"])
 sharding_flags.define("specdec")
 FLAGS = flags.FLAGS
@@ -37,6 +39,7 @@ def main(argv):
     from pathlib import Path
 
     from m2r2_jax.bench import report as R
+    from m2r2_jax.bench.cpu_cores import pin_to_cores
     from m2r2_jax.bench.demo import _device, _write_json
     from m2r2_jax.bench.prompts import load_prompt_set
     from m2r2_jax.bench.speculative import SPEC_METHODS, compare_methods
@@ -45,6 +48,8 @@ def main(argv):
     from m2r2_jax.m2r2.loading import load_base_and_m2r2
     from m2r2_jax.models.checkpoint import load_model, tokenizer_path
 
+    if FLAGS.cpu_cores:  # before anything starts JAX's backend
+        pin_to_cores(FLAGS.cpu_cores)
     plan = sharding_flags.start(FLAGS)
     try:
         batch_sizes = [int(b) for b in FLAGS.batch_sizes]

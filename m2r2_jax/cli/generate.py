@@ -43,51 +43,6 @@ sharding_flags.define("specdec")
 FLAGS = flags.FLAGS
 
 
-def read_prompts(path, tokenizer):
-    """Token-id prompts from a JSONL file (blank lines skipped) and a "FILE:LINE" label for each;
-    every problem names the file and line."""
-    import json
-    from pathlib import Path
-
-    from m2r2_jax.errors import DataError
-
-    p = Path(path)
-    if not p.is_file():
-        raise DataError(f"prompts file {path} does not exist")
-    prompts, where_all = [], []
-    try:
-        text = p.read_text(encoding="utf-8")
-    except UnicodeDecodeError:
-        raise DataError(f"prompts file {path} is not UTF-8 text") from None
-    for i, line in enumerate(text.splitlines(), start=1):
-        if not line.strip():
-            continue
-        where = f"{path}:{i}"
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise DataError(f"{where}: not valid JSON ({e.msg})") from None
-        if not isinstance(obj, dict) or ("prompt" in obj) == ("tokens" in obj):
-            raise DataError(f"{where}: expected an object with exactly one of \"prompt\" (text) or \"tokens\" (ids)")
-        if "tokens" in obj:
-            toks = obj["tokens"]
-            if not isinstance(toks, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in toks):
-                raise DataError(f"{where}: \"tokens\" must be a list of integer ids")
-        else:
-            if not isinstance(obj["prompt"], str):
-                raise DataError(f"{where}: \"prompt\" must be a string")
-            if tokenizer is None:
-                raise DataError(f"{where}: a text prompt needs a tokenizer, but the checkpoint has none (give \"tokens\")")
-            toks = tokenizer.encode(obj["prompt"])
-        if not toks:
-            raise DataError(f"{where}: the prompt is empty")
-        prompts.append(toks)
-        where_all.append(where)
-    if not prompts:
-        raise DataError(f"prompts file {path} has no prompts")
-    return prompts, where_all
-
-
 def write_jsonl_atomic(path, rows) -> None:
     import json
     from pathlib import Path
@@ -122,7 +77,9 @@ def main(argv):
     cfg = load_config(FLAGS.checkpoint)
     tok_file = tokenizer_path(FLAGS.checkpoint)
     tokenizer = load_tokenizer(tok_file) if tok_file is not None else None
-    prompts, where = read_prompts(FLAGS.prompts, tokenizer)
+    from m2r2_jax.data.prompt_files import read_prompt_file
+
+    prompts, where = read_prompt_file(FLAGS.prompts, tokenizer)
     prompts = api.check_prompts(cfg, prompts, FLAGS.max_new_tokens, where)
     m2r2 = None
     if FLAGS.m2r2 and FLAGS.method in ("m2r2_spec", "m2r2_exit", "distance_spec"):

@@ -3,9 +3,12 @@
 MoE ahead-of-time expert loading benchmark: greedy-decodes the prompts with the MoE base model,
 records the true routing and every predictor's guesses (next_gate, m2r2, oracle), runs the real
 offload engine (experts in pinned host memory, a device slot cache per layer) for every rung of the
-ladder, and replays the trace through the cost model of named real models on named platforms.
+ladder, and replays the trace through the cost model of named real models on named platforms. The
+simulated ladder adds two Belady (MIN eviction) rungs, on_demand_belady and oracle_belady: ceilings
+that need the future routing, so the engine skips them; "ceiling" in the output bounds every policy.
 Writes DIR/moe_report.json and PNG plots. Without --m2r2 the M2R2 parameters are fresh (untrained)
-and the report says so.
+and the report says so. `--forced_prompt_len N` records the trace teacher-forced on each prompt
+row's tokens after the first N (the real engine still decodes greedily).
 """
 
 from __future__ import annotations
@@ -32,6 +35,10 @@ flags.DEFINE_integer("branch_layer", 1, "fresh M2R2 params only: branch layer b"
 flags.DEFINE_integer("rate", 2, "fresh M2R2 params only: rate r")
 flags.DEFINE_enum("moe_fast_mlp", "none", ["experts", "lowrank", "none"], "fresh M2R2 params only: fast MLP at MoE layers")
 flags.DEFINE_integer("seed", 0, "seed of fresh M2R2 params")
+flags.DEFINE_integer("forced_prompt_len", 0,
+                     "0: trace the model's own greedy decoding. N > 0: teacher forcing: each prompt's first N tokens "
+                     "are the prompt and its next max_new_tokens tokens are fed instead of the greedy ones, so the "
+                     "trace follows real text (a briefly trained model's greedy output repeats itself)", lower_bound=0)
 flags.mark_flags_as_required(["checkpoint", "prompts", "out"])
 FLAGS = flags.FLAGS
 
@@ -51,9 +58,15 @@ def check_inputs(cfg, prompts) -> None:
         P.get_platform(name)
     if not FLAGS.shapes or not FLAGS.platforms:
         raise ConfigError("--shapes and --platforms need at least one name each")
+    n = FLAGS.forced_prompt_len
     for i, p in enumerate(prompts, 1):
         if min(p) < 0 or max(p) >= cfg.vocab_size:
             raise DataError(f"{FLAGS.prompts}: prompt {i} has a token id outside the vocabulary [0, {cfg.vocab_size})")
+        if n and len(p) < n + FLAGS.max_new_tokens:
+            raise DataError(f"{FLAGS.prompts}: prompt {i} has {len(p)} tokens; --forced_prompt_len={n} with "
+                            f"--max_new_tokens={FLAGS.max_new_tokens} needs {n + FLAGS.max_new_tokens}")
+        if n:
+            p = p[:n]
         if len(p) + FLAGS.max_new_tokens > cfg.max_seq_len:
             raise DataError(f"{FLAGS.prompts}: prompt {i} has {len(p)} tokens; with --max_new_tokens="
                             f"{FLAGS.max_new_tokens} that exceeds the model's max_seq_len={cfg.max_seq_len}")
@@ -68,13 +81,15 @@ def main(argv):
     from m2r2_jax.m2r2.config import M2R2Config
     from m2r2_jax.m2r2.fast_stream import init_m2r2_params
     from m2r2_jax.models.checkpoint import load_config, load_model, params_fingerprint, tokenizer_path
-    from m2r2_jax.moe_offload.report import load_prompts, moe_report, write_plots
+    from m2r2_jax.data.prompt_files import read_prompt_file
+    from m2r2_jax.moe_offload.report import moe_report, write_plots
 
     cfg = load_config(FLAGS.checkpoint)
     if not cfg.is_moe:
         raise ConfigError(f"{FLAGS.checkpoint} is a dense {cfg.family} model; moe-bench needs a MoE base (n_experts > 0)")
     tok_file = tokenizer_path(FLAGS.checkpoint)
-    prompts = load_prompts(FLAGS.prompts, load_tokenizer(tok_file) if tok_file else None, FLAGS.max_prompts)
+    prompts = read_prompt_file(FLAGS.prompts, load_tokenizer(tok_file) if tok_file else None,
+                               max_prompts=FLAGS.max_prompts)[0]
     check_inputs(cfg, prompts)  # every input problem surfaces before the model is loaded or a line is printed
     cfg, params = load_model(FLAGS.checkpoint, cfg)
     fresh = FLAGS.m2r2 is None
@@ -85,14 +100,22 @@ def main(argv):
               "a rate-vector extrapolation, so its expert predictions may be weak", file=sys.stderr)
     else:
         mcfg, m2r2_params = load_m2r2(FLAGS.m2r2, cfg, params_fingerprint(cfg, params))
+    continuations = None
+    if FLAGS.forced_prompt_len:
+        n = FLAGS.forced_prompt_len
+        prompts, continuations = [p[:n] for p in prompts], [p[n:n + FLAGS.max_new_tokens] for p in prompts]
     report = moe_report(cfg, params, mcfg, m2r2_params, prompts, max_new_tokens=FLAGS.max_new_tokens,
                         capacity=FLAGS.capacity or None, shapes=FLAGS.shapes, platforms=FLAGS.platforms,
-                        run_real_engine=FLAGS.engine, fresh_m2r2=fresh)
-    report["inputs"] = {"checkpoint": str(FLAGS.checkpoint), "m2r2": FLAGS.m2r2, "prompts": str(FLAGS.prompts)}
+                        run_real_engine=FLAGS.engine, fresh_m2r2=fresh, continuations=continuations)
+    report["inputs"] = {"checkpoint": str(FLAGS.checkpoint), "m2r2": FLAGS.m2r2, "prompts": str(FLAGS.prompts),
+                        "forced_prompt_len": FLAGS.forced_prompt_len}
     out = Path(FLAGS.out)
     out.mkdir(parents=True, exist_ok=True)
     plots = write_plots(report, out)
     write_text_atomic(out / "moe_report.json", json.dumps(report, indent=2, sort_keys=True, default=float))
     print(json.dumps({"report": str(out / "moe_report.json"), "plots": plots, "fresh_m2r2_params": fresh,
+                      "teacher_forced": report["trace"]["teacher_forced"],
+                      "distinct_token_fraction": report["trace"]["distinct_token_fraction"],
                       "recall": report["recall"], "hit_rate": report["hit_rate"],
-                      "simulated_speedup": report["simulated_speedup"], "targets": report["targets"]}, indent=2))
+                      "simulated_speedup": report["simulated_speedup"], "ceiling": report["ceiling"],
+                      "targets": report["targets"]}, indent=2))

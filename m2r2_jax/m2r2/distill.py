@@ -86,6 +86,11 @@ def validate_distill(cfg, base_cfg=None) -> tuple:
     validate_train(cfg.train)
     if cfg.schedule == "two_stage":
         validate_train(cfg.router_train)
+    for section in ("train", "router_train"):
+        coef = cfg[section].get("moe_aux_loss_coef", 0.0)
+        if coef:  # the base is frozen: its routing cannot be balanced here
+            raise ConfigError(f"{section}.moe_aux_loss_coef={coef!r} is invalid: distillation keeps the base "
+                              "(and its router) frozen; set the balance loss when pre-training the base")
     validate_data(cfg.data)
     return mcfg, lcfg
 

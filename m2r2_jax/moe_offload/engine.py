@@ -4,9 +4,10 @@
   memory (memory kind `pinned_host` by default), so loading one expert never slices a stacked host
   array (that would block).
 * Each layer has `capacity` device slots (default 2 x experts per token), managed by a
-  `SlotTable` (policy "lru" or "predictive"). Loading is `jax.device_put(host, device)`: dispatch
-  returns at once and the copy runs asynchronously, overlapped with the compute that follows. A
-  demand for an expert that is not resident is a miss: it is loaded and waited for (a stall).
+  `SlotTable` (policy "lru" or "predictive"; "belady" needs the future and is simulator-only).
+  Loading is `jax.device_put(host, device)`: dispatch returns at once and the copy runs
+  asynchronously, overlapped with the compute that follows. A demand for an expert that is not
+  resident is a miss: it is loaded and waited for (a stall).
 * Decoding is driven layer by layer from Python (the point of this engine): each layer's attention
   (+ router) and its experts are separate jitted functions; the experts function receives only the
   weights of the slots it needs (padded to a fixed count so it compiles once).
@@ -36,7 +37,7 @@ from m2r2_jax.errors import ConfigError, DataError
 from m2r2_jax.m2r2 import fast_stream as F
 from m2r2_jax.models import transformer as T
 from m2r2_jax.models.layers import MLP, DecoderLayer, attend, attention_mask, dtype_of, rms_norm, route
-from m2r2_jax.moe_offload.policies import SlotTable, check_policy
+from m2r2_jax.moe_offload.policies import FUTURE_POLICIES, POLICIES, SlotTable, check_policy
 from m2r2_jax.moe_offload.predictors import check_predictor, cross_router_logits, m2r2_state_plan
 
 EXPERT_KEYS = ("experts_gate", "experts_up", "experts_down")
@@ -185,6 +186,10 @@ class OffloadEngine:
         if not (self.k <= self.capacity <= base_cfg.n_experts):
             raise ConfigError(f"cache capacity={self.capacity} is invalid: expected top_k={self.k} .. n_experts={base_cfg.n_experts} slots")
         self.policy = check_policy(policy)
+        if policy in FUTURE_POLICIES:
+            engine_ok = ", ".join(p for p in POLICIES if p not in FUTURE_POLICIES)
+            raise ConfigError(f"cache policy {policy!r} needs the future routing of every token and is "
+                              f"simulator-only (moe_offload.simulator); the engine accepts {engine_ok}")
         self.predictor = check_predictor(predictor)
         if predictor == "m2r2":
             if mcfg is None or m2r2_params is None:

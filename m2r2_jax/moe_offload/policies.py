@@ -11,6 +11,12 @@ Policies (chosen by name):
               slot will do; among the rest, least recently used. A prefetch of a predicted expert
               therefore cannot push out another predicted one, and the prediction keeps useful
               experts resident across tokens.
+  belady      Belady's MIN: evict the unprotected slot whose expert is next needed furthest in the
+              future (never again = infinitely far; ties: least recently used). It needs the future
+              routing (`set_next_use`), so only the trace-replay simulator can run it; as demand
+              paging it loads the fewest experts any policy can at this capacity, the ceiling every
+              real policy is measured against. A prefetch under this policy is skipped when every
+              victim is needed sooner than the expert it would bring in.
 """
 
 from __future__ import annotations
@@ -19,7 +25,8 @@ from typing import Iterable, Optional
 
 from m2r2_jax.errors import ConfigError
 
-POLICIES = ("lru", "predictive")
+POLICIES = ("lru", "predictive", "belady")
+FUTURE_POLICIES = ("belady",)  # need the future routing: simulator only
 EMPTY = -1
 
 
@@ -40,6 +47,7 @@ class SlotTable:
         self.expert = [EMPTY] * capacity
         self.last_use = [-1.0] * capacity
         self.predicted: frozenset = frozenset()
+        self.next_use = None  # belady: expert -> when it is next needed (inf: never)
         self._clock = 0
 
     # -- queries ---------------------------------------------------------------------------
@@ -63,8 +71,21 @@ class SlotTable:
     def set_prediction(self, experts: Iterable[int]) -> None:
         self.predicted = frozenset(int(e) for e in experts)
 
-    def victim(self, protect: Iterable[int] = ()) -> Optional[int]:
-        """Slot to overwrite, or None when every slot holds a protected expert."""
+    def set_next_use(self, next_use) -> None:
+        """belady: `next_use[e]` is when expert e is next demanded at this layer, in any increasing
+        unit (the simulator uses token indices; the current token's demand is "now"), inf if never."""
+        self.next_use = next_use
+
+    def _next_use(self, e: int) -> float:
+        if self.next_use is None:
+            raise ConfigError("cache policy 'belady' needs each expert's next-use time (set_next_use): it "
+                              "needs the future routing, so only the trace-replay simulator can run it")
+        return float(self.next_use[e])
+
+    def victim(self, protect: Iterable[int] = (), incoming: Optional[int] = None) -> Optional[int]:
+        """Slot to overwrite, or None when every slot holds a protected expert. `incoming` (a
+        prefetched expert, belady only): also None when every candidate is needed no later than
+        `incoming`, since evicting it could only add a load."""
         protect = set(protect)
         free = [s for s, e in enumerate(self.expert) if e == EMPTY]
         if free:
@@ -72,6 +93,12 @@ class SlotTable:
         candidates = [s for s, e in enumerate(self.expert) if e not in protect]
         if not candidates:
             return None
+        if self.policy == "belady":
+            # furthest next use first; among equals (e.g. never needed again) the least recently used
+            s = max(candidates, key=lambda s: (self._next_use(self.expert[s]), -self.last_use[s]))
+            if incoming is not None and self._next_use(self.expert[s]) <= self._next_use(incoming):
+                return None
+            return s
         if self.policy == "predictive":
             unpredicted = [s for s in candidates if self.expert[s] not in self.predicted]
             candidates = unpredicted or candidates

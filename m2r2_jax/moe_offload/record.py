@@ -6,6 +6,10 @@ One jitted step per decoded token runs, on the same KV cache,
   * the slow forward with its hidden states and router logits (the true routing),
 and returns every predictor's router logits for every layer (see `predictors.py`). The host keeps
 the rankings; the slow stream's greedy token is fed back. Batch 1, one prompt at a time.
+
+Teacher forcing (`forced`): the tokens of a given continuation are fed instead of the greedy ones,
+so the trace follows real text. A briefly trained model's greedy output soon repeats one token,
+and routing that never changes makes every cache look perfect.
 """
 
 from __future__ import annotations
@@ -52,9 +56,12 @@ def _prefill(base_cfg, base_params, tokens, cache):
 
 
 def record_trace(base_cfg, base_params, mcfg, m2r2_params, prompts: Sequence[Sequence[int]],
-                 max_new_tokens: int, lookaheads: Sequence[int] = (1, 2, 3, 4)) -> tuple[RoutingTrace, list]:
+                 max_new_tokens: int, lookaheads: Sequence[int] = (1, 2, 3, 4),
+                 forced: Optional[Sequence[Sequence[int]]] = None) -> tuple[RoutingTrace, list]:
     """Greedy-decode every prompt for `max_new_tokens` and record the routing trace of every
-    decoded token (the prompt's own tokens are prefill, not traced). Returns (trace, generated)."""
+    decoded token (the prompt's own tokens are prefill, not traced). Returns (trace, generated).
+    With `forced` (one continuation of >= max_new_tokens tokens per prompt) the continuation's
+    tokens are fed instead of the greedy ones and returned as `generated`."""
     if not base_cfg.is_moe:
         raise ConfigError(f"moe offload needs a MoE base model; family {base_cfg.family!r} has n_experts=0")
     mcfg.validate(base_cfg)
@@ -66,9 +73,17 @@ def record_trace(base_cfg, base_params, mcfg, m2r2_params, prompts: Sequence[Seq
     plan, m2r2_issue = m2r2_state_plan(L, b, visited)
     lookaheads = sorted(set(int(a) for a in lookaheads) | {1})
     rows = {"true": [], "m2r2": [], "fast_routes": [], **{f"next_gate@{a}": [] for a in lookaheads}}
+    if forced is not None and len(forced) != len(prompts):
+        raise DataError(f"teacher forcing needs one continuation per prompt: {len(forced)} for {len(prompts)} prompts")
     generated = []
-    for p in prompts:
+    for i, p in enumerate(prompts):
         p = [int(t) for t in p]
+        cont = None if forced is None else [int(t) for t in forced[i]][:max_new_tokens]
+        if cont is not None and len(cont) < max_new_tokens:
+            raise DataError(f"prompt {i + 1}: its continuation has {len(cont)} tokens; teacher forcing needs "
+                            f"max_new_tokens={max_new_tokens}")
+        if cont is not None and (min(cont) < 0 or max(cont) >= base_cfg.vocab_size):
+            raise DataError(f"prompt {i + 1}: a continuation token is outside the vocabulary [0, {base_cfg.vocab_size})")
         if not p:
             raise DataError("a prompt has no tokens")
         if len(p) + max_new_tokens > base_cfg.max_seq_len:
@@ -79,6 +94,8 @@ def record_trace(base_cfg, base_params, mcfg, m2r2_params, prompts: Sequence[Seq
         tok, cache = _prefill(base_cfg, base_params, jnp.asarray([p], jnp.int32), cache)
         out = []
         for t in range(max_new_tokens):
+            if cont is not None:
+                tok = jnp.asarray([cont[t]], jnp.int32)
             out.append(int(tok[0]))
             pos = jnp.full((1, 1), len(p) + t, jnp.int32)
             o, cache = _trace_step(base_cfg, mcfg, base_params, m2r2_params, tok[:, None], pos, cache)

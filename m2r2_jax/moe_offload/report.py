@@ -19,13 +19,21 @@ from m2r2_jax.m2r2.fast_stream import adapter_shapes, draft_cost_layers, visited
 from m2r2_jax.moe_offload import platforms as P
 from m2r2_jax.moe_offload.engine import OffloadEngine, memory_kinds
 from m2r2_jax.moe_offload.metrics import mean_recall, recall_by_lookahead, recall_per_layer
+from m2r2_jax.moe_offload.policies import FUTURE_POLICIES
 from m2r2_jax.moe_offload.record import generate_reference, record_trace
 from m2r2_jax.moe_offload.simulator import simulate
 
-LADDER = ("on_demand_lru", "next_gate", "m2r2", "oracle", "all_resident")
-# (trace predictor, cache policy) of each rung; prefetching rungs use the prediction-aware policy
+LADDER = ("on_demand_lru", "next_gate", "m2r2", "oracle", "on_demand_belady", "oracle_belady", "all_resident")
+# (trace predictor, cache policy) of each rung; prefetching rungs use the prediction-aware policy.
+# The belady rungs are ceilings, not methods: on_demand_belady loads the fewest experts any demand
+# paging can at this capacity; oracle_belady adds perfect prefetch at the token's start, the most
+# any within-token predictor + eviction policy can reach here. They need the future, so the engine
+# skips them.
 RUNGS = {"on_demand_lru": ("none", "lru"), "next_gate": ("next_gate", "predictive"),
-         "m2r2": ("m2r2", "predictive"), "oracle": ("oracle", "predictive")}
+         "m2r2": ("m2r2", "predictive"), "oracle": ("oracle", "predictive"),
+         "on_demand_belady": ("none", "belady"), "oracle_belady": ("oracle", "belady")}
+SIMULATOR_ONLY = tuple(r for r, (_, policy) in RUNGS.items() if policy in FUTURE_POLICIES)
+TARGET_SPEEDUP = 2.9  # the benchmark target: speedup over on-demand LRU at 2 x active experts
 RHO_GRID = (0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0)
 
 
@@ -57,6 +65,39 @@ def simulate_ladder(trace, costs, capacity: int) -> dict:
     res = {r: _rung(trace, r, costs, capacity) for r in LADDER}
     base = res["on_demand_lru"].total_s
     return {r: dict(v.to_dict(), speedup_vs_on_demand_lru=base / v.total_s) for r, v in res.items()}
+
+
+def ceiling(ladder: dict, costs, n_layers: int) -> dict:
+    """What no policy can beat on this trace and platform, from a simulated ladder.
+
+    Any schedule, prefetching or not, loads at least as many experts as Belady's demand paging
+    (prefetching can be made lazy without extra loads), the link moves one at a time and the slow
+    layers compute in sequence, so total >= max(compute, belady loads x transfer time). On-demand
+    LRU takes exactly compute + its loads x transfer time, so on every platform the speedup is also
+    at most 1 + LRU loads / Belady loads (`loads_ratio_bound`): 2.9x needs a policy that loads at
+    most 1/1.9 of what LRU loads, whatever the link.
+
+    Regime: "link-bound" when even Belady's loads keep the link busier than the compute (only
+    fewer loads help: better eviction, more slots); "lead-limited" when the link has spare time
+    but one transfer (rho layers) outlasts a whole token of compute (n_layers), so a guess made
+    within the token still arrives late and the bound above is out of reach; otherwise overlap can
+    hide the loads."""
+    lru, bel = ladder["on_demand_lru"], ladder["on_demand_belady"]
+    bound_s = max(lru["compute_s"], bel["transfers"] * costs.transfer_s)
+    link = {r: ladder[r]["transfers"] * costs.transfer_s / ladder[r]["compute_s"]
+            for r in ("on_demand_lru", "on_demand_belady")}
+    if link["on_demand_belady"] > 1:
+        regime = "link-bound"
+    elif costs.rho > n_layers:
+        regime = "lead-limited"
+    else:
+        regime = "overlap can hide the loads"
+    return {"rho": costs.rho, "link_to_compute": link, "regime": regime,
+            "lru_loads_per_token": lru["transfers"] / max(lru["tokens"], 1),
+            "belady_loads_per_token": bel["transfers"] / max(bel["tokens"], 1),
+            "oracle_belady_speedup": ladder["oracle_belady"]["speedup_vs_on_demand_lru"],
+            "bound_s": bound_s, "bound_speedup_vs_on_demand_lru": lru["total_s"] / bound_s,
+            "loads_ratio_bound": 1 + lru["transfers"] / max(bel["transfers"], 1)}
 
 
 def calibrate_engine(base_cfg, base_params, repeats: int = 20) -> dict:
@@ -91,6 +132,8 @@ def run_engine(base_cfg, base_params, mcfg, m2r2_params, prompts, max_new_tokens
     whether its tokens equal the all-resident model's."""
     out = {}
     for rung in LADDER:
+        if rung in SIMULATOR_ONLY:  # Belady eviction needs the future routing
+            continue
         if rung == "all_resident":
             pred, policy, cap = "none", "lru", base_cfg.n_experts
         else:
@@ -120,9 +163,12 @@ def moe_report(base_cfg, base_params, mcfg, m2r2_params, prompts_tokens: Sequenc
                max_new_tokens: int = 16, capacity: Optional[int] = None,
                shapes: Sequence[str] = ("mixtral-8x7b", "olmoe-1b-7b"),
                platforms: Sequence[str] = tuple(P.PLATFORMS), run_real_engine: bool = True,
-               fresh_m2r2: bool = False, lookaheads: Sequence[int] = (1, 2, 3, 4)) -> dict:
+               fresh_m2r2: bool = False, lookaheads: Sequence[int] = (1, 2, 3, 4),
+               continuations: Optional[Sequence[Sequence[int]]] = None) -> dict:
     """Record routing from real greedy decoding, score the predictors, replay the trace through
     the cost model of named real models on named platforms, and run the real engine.
+    `continuations` (one per prompt): record the trace teacher-forced on these tokens instead of
+    the model's greedy output (the real engine still decodes greedily).
 
     Returns a dict with (at least) `recall`, `hit_rate` and `simulated_speedup` (per predictor,
     per platform, vs on-demand LRU with the cache at `capacity` = 2 x active experts)."""
@@ -137,7 +183,8 @@ def moe_report(base_cfg, base_params, mcfg, m2r2_params, prompts_tokens: Sequenc
     shapes = [P.get_shape(s) for s in shapes]
     plats = [P.get_platform(p) for p in platforms]
 
-    trace, generated = record_trace(base_cfg, base_params, mcfg, m2r2_params, prompts_tokens, max_new_tokens, lookaheads)
+    trace, generated = record_trace(base_cfg, base_params, mcfg, m2r2_params, prompts_tokens, max_new_tokens, lookaheads,
+                                    forced=continuations)
     predictors = ("next_gate", "m2r2", "oracle")
     per_layer = {p: recall_per_layer(trace, p) for p in trace.rankings}
     recall = {p: mean_recall(per_layer[p]) for p in predictors}
@@ -150,7 +197,9 @@ def moe_report(base_cfg, base_params, mcfg, m2r2_params, prompts_tokens: Sequenc
         sims[shape.name] = {}
         for plat in plats:
             costs = P.platform_costs(shape, plat, mcfg.moe_fast_mlp, ovh, mcfg.moe_lowrank_dim)
-            sims[shape.name][plat.name] = {"costs": costs.to_dict(), "ladder": simulate_ladder(trace, costs, capacity)}
+            lad = simulate_ladder(trace, costs, capacity)
+            sims[shape.name][plat.name] = {"costs": costs.to_dict(), "ladder": lad,
+                                           "ceiling": ceiling(lad, costs, trace.n_layers)}
     main = shapes[0].name
     for rung in LADDER[1:]:
         speedup[rung] = {pl: sims[main][pl]["ladder"][rung]["speedup_vs_on_demand_lru"] for pl in sims[main]}
@@ -177,7 +226,9 @@ def moe_report(base_cfg, base_params, mcfg, m2r2_params, prompts_tokens: Sequenc
                              **{f"{r}_speedup": lad[r]["speedup_vs_on_demand_lru"] for r in LADDER},
                              **{f"{r}_hit_rate": lad[r]["hit_rate"] for r in LADDER}})
 
-    reference = [generate_reference(base_cfg, base_params, p, max_new_tokens) for p in prompts_tokens]
+    # the greedy reference: what the trace must equal (no teacher forcing) and the engine must decode
+    reference = ([generate_reference(base_cfg, base_params, p, max_new_tokens) for p in prompts_tokens]
+                 if continuations is None or run_real_engine else None)
     report = {
         "model": {"family": base_cfg.family, "n_layers": base_cfg.n_layers, "n_experts": E, "top_k": k,
                   "d_model": base_cfg.d_model, "moe_d_ff": base_cfg.moe_d_ff},
@@ -185,7 +236,10 @@ def moe_report(base_cfg, base_params, mcfg, m2r2_params, prompts_tokens: Sequenc
                  "visited_layers": list(visited_layers(base_cfg, mcfg)),
                  "draft_cost_layers": float(draft_cost_layers(base_cfg, mcfg))},
         "trace": {"prompts": len(prompts_tokens), "decoded_tokens": trace.n_tokens,
-                  "trace_tokens_equal_reference": generated == reference,
+                  "teacher_forced": continuations is not None,
+                  # a teacher-forced trace follows the given text, not the greedy reference
+                  "trace_tokens_equal_reference": generated == reference if continuations is None else None,
+                  "distinct_token_fraction": len({t for g in generated for t in g}) / max(trace.n_tokens, 1),
                   "leads": {p: trace.lead(p).tolist() for p in trace.rankings}, **trace.notes},
         "capacity": capacity,
         "recall": recall,
@@ -195,6 +249,7 @@ def moe_report(base_cfg, base_params, mcfg, m2r2_params, prompts_tokens: Sequenc
         "hit_rate": hit_rate,
         "simulated_speedup": speedup,
         "simulated_speedup_model": main,
+        "ceiling": {pl: sims[main][pl]["ceiling"] for pl in sims[main]},
         "simulation": sims,
         "rho_sweep": rho_sweep,
         "bandwidth_capacity_sweep": bw_sweep,
@@ -208,6 +263,13 @@ def moe_report(base_cfg, base_params, mcfg, m2r2_params, prompts_tokens: Sequenc
                                f"fast MLP per step: moe_fast_mlp={mcfg.moe_fast_mlp!r} (experts: k experts and their "
                                "loads; lowrank: a d x r adapter; none: nothing)"),
             "m2r2_before_branch": "layers before branch_layer use next_gate inside the m2r2 predictor",
+            "belady_rungs": ("on_demand_belady and oracle_belady evict the expert next needed furthest in the "
+                             "future (Belady's MIN, read from the recorded routing): simulator-only ceilings, "
+                             "not methods. on_demand_belady is the fewest loads of any demand paging at this "
+                             "capacity; oracle_belady adds perfect prefetch at the token's start, the ceiling of predictors that "
+                             "guess within the token (a guess issued a token earlier, even a lucky wrong one, can "
+                             "rarely finish sooner; never with fewer loads); report['ceiling'] bounds every "
+                             "schedule by max(compute, Belady loads x transfer time)"),
         }),
     }
     if fresh_m2r2:
@@ -241,10 +303,19 @@ def targets(report: dict) -> dict:
     sp = report["simulated_speedup"]
     faster = {pl: sp["m2r2"][pl] > sp["next_gate"][pl] for pl in sp["m2r2"]}
     best = max(sp["m2r2"].values()) if sp["m2r2"] else float("nan")
+    ceil = {pl: sp["oracle_belady"][pl] for pl in sp["oracle_belady"]}
+    bound = {pl: c["bound_speedup_vs_on_demand_lru"] for pl, c in report["ceiling"].items()}
     return {"m2r2_recall_above_next_gate_at_lookahead_ge_2": recall_cmp,
             "m2r2_faster_than_next_gate_per_platform": faster,
             "best_m2r2_speedup_vs_on_demand_lru": best,
-            "speedup_ge_2.9_on_some_platform": bool(best >= 2.9)}
+            f"speedup_ge_{TARGET_SPEEDUP}_on_some_platform": bool(best >= TARGET_SPEEDUP),
+            # what any predictor + policy could reach on this trace: the simulated oracle_belady rung
+            # and the schedule-free bound max(compute, Belady loads x transfer) behind it
+            "ceiling_speedup_vs_on_demand_lru": ceil,
+            "bound_speedup_vs_on_demand_lru": bound,
+            "regime_per_platform": {pl: c["regime"] for pl, c in report["ceiling"].items()},
+            f"speedup_ge_{TARGET_SPEEDUP}_reachable_by_any_policy": bool(max(bound.values()) >= TARGET_SPEEDUP),
+            f"oracle_belady_ge_{TARGET_SPEEDUP}_on_some_platform": bool(max(ceil.values()) >= TARGET_SPEEDUP)}
 
 
 def write_plots(report: dict, out_dir) -> list:
@@ -341,8 +412,11 @@ def write_plots(report: dict, out_dir) -> list:
     for bw in sorted({r["link_gbps"] for r in rows}):
         sel = [r for r in rows if r["link_gbps"] == bw]
         ax.plot([r["capacity"] for r in sel], [r["m2r2_speedup"] for r in sel], marker="o", label=f"m2r2 {bw:g} GB/s")
-        ax.plot([r["capacity"] for r in sel], [r["oracle_speedup"] for r in sel], ls="--", color=ax.lines[-1].get_color(),
+        color = ax.lines[-1].get_color()
+        ax.plot([r["capacity"] for r in sel], [r["oracle_speedup"] for r in sel], ls="--", color=color,
                 label=f"oracle {bw:g} GB/s")
+        ax.plot([r["capacity"] for r in sel], [r["oracle_belady_speedup"] for r in sel], ls=":", color=color,
+                label=f"oracle_belady (ceiling) {bw:g} GB/s")
     ax.set(xlabel="cache slots per layer", ylabel="speedup vs on-demand LRU (same slots)",
            title="link bandwidth x cache size")
     ax.legend(fontsize=7)
@@ -356,47 +430,3 @@ def write_plots(report: dict, out_dir) -> list:
         ax.tick_params(axis="x", rotation=20)
         save(fig, "engine_tokens_per_s.png")
     return paths
-
-
-def load_prompts(path, tokenizer=None, max_prompts: Optional[int] = None) -> list:
-    """Prompts from a JSON-lines file: {"tokens": [ids]} or {"prompt": text} / {"text": text}
-    (text needs the checkpoint's tokenizer). Errors name the line."""
-    import json
-
-    from m2r2_jax.errors import DataError
-
-    p = Path(path)
-    if not p.is_file():
-        raise DataError(f"prompts file {path} does not exist")
-    try:
-        text = p.read_text(encoding="utf-8")
-    except UnicodeDecodeError as e:
-        raise DataError(f"prompts file {path} is not UTF-8 text (invalid byte at offset {e.start})") from None
-    out = []
-    for n, line in enumerate(text.splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise DataError(f"{path}:{n}: not valid JSON ({e.msg})") from None
-        if not isinstance(row, dict):
-            raise DataError(f"{path}:{n}: expected a JSON object with 'tokens' or 'prompt'")
-        if "tokens" in row:
-            toks = row["tokens"]
-            if not isinstance(toks, list) or not toks or not all(isinstance(t, int) and not isinstance(t, bool) for t in toks):
-                raise DataError(f"{path}:{n}: 'tokens' must be a non-empty list of integers")
-        elif isinstance(row.get("prompt", row.get("text")), str):
-            if tokenizer is None:
-                raise DataError(f"{path}:{n}: a text prompt needs a tokenizer, and the checkpoint has none (give 'tokens')")
-            toks = tokenizer.encode(row.get("prompt", row.get("text")))
-            if not toks:
-                raise DataError(f"{path}:{n}: the prompt encodes to no tokens")
-        else:
-            raise DataError(f"{path}:{n}: expected a 'tokens' list or a 'prompt' string")
-        out.append(toks)
-        if max_prompts and len(out) >= max_prompts:
-            break
-    if not out:
-        raise DataError(f"prompts file {path} holds no prompts")
-    return out

@@ -15,6 +15,10 @@ Model (per decoded token, ops in schedule order; see `trace.py` for the op keys)
   moe_fast_mlp == "experts" the fast MLP at step i demands its own top-k at layer j_i: those loads
   block the fast pass and are the prefetch (charged in bytes and time).
 * The makespan is max(end of the last op, end of the last transfer).
+* Policy "belady" (simulator only) evicts by next use, read from the trace's true routing: an
+  expert's next use at layer l during token n is the first token m >= n that routes layer l to it
+  (the current token's own demand is "now"; never again = inf). Under it a prefetch is skipped
+  when the victim would be needed no later than the prefetched expert.
 
 Analytic anchors (tested): all resident -> total = compute; no reuse and no prediction -> total =
 compute + misses x transfer time; always max(compute, transfers) <= total <= compute + transfers.
@@ -24,6 +28,8 @@ from __future__ import annotations
 
 import dataclasses
 from typing import Optional
+
+import numpy as np
 
 from m2r2_jax.errors import ConfigError
 from m2r2_jax.moe_offload.platforms import CostModel
@@ -74,6 +80,20 @@ def token_schedule(trace: RoutingTrace, predictor: str) -> list:
                 ops += [("fast_attn", i), ("fast_mlp", i)]
         ops += [("attn", l), ("moe", l)]
     return ops
+
+
+def next_use_table(trace: RoutingTrace) -> np.ndarray:
+    """[N, L, E] float: the first token m >= n whose true routing at layer l includes expert e
+    (inf if none), for Belady eviction."""
+    n_tok, L, E = trace.n_tokens, trace.n_layers, trace.n_experts
+    member = np.zeros((n_tok, L, E), bool)
+    np.put_along_axis(member, np.asarray(trace.true, np.int64), True, axis=-1)
+    out = np.empty((n_tok, L, E))
+    nxt = np.full((L, E), np.inf)
+    for n in range(n_tok - 1, -1, -1):
+        nxt = np.where(member[n], float(n), nxt)
+        out[n] = nxt
+    return out
 
 
 def _op_time(key, costs: CostModel) -> float:
@@ -180,6 +200,8 @@ def simulate(
                 issued_at.setdefault(tuple(key), []).append(layer)
 
     tables = [SlotTable(capacity, policy) for _ in range(L)]
+    belady = policy == "belady"
+    next_use = next_use_table(trace) if belady and not all_resident else None
     ready = [[0.0] * capacity for _ in range(L)]
     gen = [[0] * capacity for _ in range(L)]  # bumped whenever a slot gets a new expert
     prefetched = [[False] * capacity for _ in range(L)]
@@ -236,7 +258,7 @@ def simulate(
             if s is not None:
                 tab.touch(s)
                 continue
-            s = tab.victim(protect=guess)
+            s = tab.victim(protect=guess, incoming=e if belady else None)
             if s is None:
                 continue
             install(layer, s, e, now, blocking=False)
@@ -245,6 +267,9 @@ def simulate(
 
     for n in range(trace.n_tokens):
         true_n = trace.true[n]
+        if next_use is not None:
+            for layer in range(L):
+                tables[layer].set_next_use(next_use[n, layer])
         rank_n = trace.rankings[predictor][n] if (predictor != "none" and not all_resident) else None
         for key in schedule:
             for layer in issued_at.get(key, ()):

@@ -101,7 +101,7 @@ def check_train(model_cfg: ModelConfig, plan: ShardingPlan, *, batch_size: int, 
 
         batch = jax.ShapeDtypeStruct((batch_size, seq_len), jnp.int32)
     else:
-        trainable, frozen, loss_fn = base, {}, lm_loss_fn(model_cfg)
+        trainable, frozen, loss_fn = base, {}, lm_loss_fn(model_cfg, tcfg.get("moe_aux_loss_coef", 0.0))
         batch = jax.ShapeDtypeStruct((batch_size, seq_len + 1), jnp.int32)
     state = jax.eval_shape(lambda t: init_state(tx, t, jax.random.key(0)), trainable)
     state_sh = state_shardings(plan, state)

@@ -56,6 +56,7 @@ def train_section() -> ml_collections.ConfigDict:
         max_skipped=100,            # with "skip": stop after this many skipped steps (0: no limit)
         data_parallel=True,         # shard the batch over all devices (params replicated)
         progress=True,              # tqdm progress bar
+        moe_aux_loss_coef=0.0,      # MoE pre-training: weight of the load-balancing loss (0: off; MoE models only)
     ))
 
 
@@ -176,6 +177,7 @@ def validate_train(t) -> None:
     _check_float(t, s, "b2", 0.0, 1.0, hi_open=True)
     _check_float(t, s, "eps", 0.0, 1.0, lo_open=True)
     _check_float(t, s, "grad_clip", 0.0, 1e9)
+    _check_float(t, s, "moe_aux_loss_coef", 0.0, 1e9)
     _check_int(t, s, "seed", 0, 2**32 - 1)
     _check_int(t, s, "checkpoint_every", 1)
     _check_int(t, s, "keep_checkpoints", 1)
@@ -222,6 +224,10 @@ def validate_config(cfg, process_count: int | None = None) -> ModelConfig:
     mcfg = model_config_from(cfg.model)
     validate_train(cfg.train)
     validate_data(cfg.data)
+    if cfg.train.moe_aux_loss_coef > 0 and not mcfg.is_moe:
+        # a balance loss on a dense model would silently do nothing; say so instead
+        _fail("train.moe_aux_loss_coef", cfg.train.moe_aux_loss_coef,
+              f"a load-balancing loss needs a MoE model (model.n_experts > 0), model.n_experts={mcfg.n_experts}")
     if cfg.data.seq_len > mcfg.max_seq_len:
         _fail("data.seq_len", cfg.data.seq_len, f"must be <= model.max_seq_len={mcfg.max_seq_len}")
     if process_count is None:

@@ -90,7 +90,7 @@ def pretrain(cfg, workdir, plan=None) -> dict:
     params = jax.jit(init_params, static_argnums=0)(mcfg, jax.random.key(cfg.train.seed))
     _say(f"model: {mcfg.family}, {mcfg.n_layers} layers, d_model {mcfg.d_model}, {count_params(params):,} params; "
          f"data: {info.tokens:,} tokens -> {info.examples:,} examples of {info.seq_len}+1 tokens")
-    result = train(cfg.train, workdir, params, {}, lm_loss_fn(mcfg), data_iter,
+    result = train(cfg.train, workdir, params, {}, lm_loss_fn(mcfg, cfg.train.moe_aux_loss_coef), data_iter,
                    rng=jax.random.key(cfg.train.seed), metrics_prefix="pretrain", plan=plan)
     summary = {"step": result.step, "preempted": result.preempted, "skipped": result.skipped,
                "params": count_params(result.trainable), "train_tokens": info.tokens}

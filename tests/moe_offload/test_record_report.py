@@ -16,7 +16,7 @@ from m2r2_jax.models import transformer as T
 from m2r2_jax.models.checkpoint import save_model
 from m2r2_jax.moe_offload.metrics import recall_per_layer
 from m2r2_jax.moe_offload.record import record_trace
-from m2r2_jax.moe_offload.report import LADDER, load_prompts, moe_report, write_plots
+from m2r2_jax.moe_offload.report import LADDER, SIMULATOR_ONLY, moe_report, run_engine, write_plots
 
 
 @pytest.fixture(scope="module")
@@ -47,6 +47,23 @@ def test_trace_matches_real_decoding(setup):
     assert list(trace.lead("m2r2"))[mcfg.branch_layer:] == [1, 2, 3]
 
 
+def test_teacher_forced_trace_follows_the_given_tokens(setup):
+    cfg, params, mcfg, mp, _, _, refs = setup
+    cont = [[(7 * t + 4) % cfg.vocab_size for t in range(NEW)]]
+    assert cont[0] != list(refs[0])
+    trace, gen = record_trace(cfg, params, mcfg, mp, PROMPTS[:1], NEW, lookaheads=(1,), forced=cont)
+    assert gen == cont and trace.n_tokens == NEW
+    # token t's routing is the plain forward's over prompt + the forced tokens up to t
+    t, k = 3, cfg.n_experts_per_tok
+    _, _, aux = T.forward(cfg, params, jnp.asarray([list(PROMPTS[0]) + cont[0][: t + 1]]), return_aux=True)
+    want = np.argsort(-np.asarray(aux.router_logits[:, 0, -1]), axis=-1)[:, :k]
+    np.testing.assert_array_equal(np.sort(trace.true[t], -1), np.sort(want, -1))
+    with pytest.raises(DataError, match="continuation has 2 tokens"):
+        record_trace(cfg, params, mcfg, mp, PROMPTS[:1], NEW, forced=[cont[0][:2]])
+    with pytest.raises(DataError, match="one continuation per prompt"):
+        record_trace(cfg, params, mcfg, mp, PROMPTS, NEW, forced=cont)
+
+
 def test_report_and_plots(setup, tmp_path):
     cfg, params, mcfg, mp, _, _, _ = setup
     rep = moe_report(cfg, params, mcfg, mp, PROMPTS[:1], max_new_tokens=NEW, shapes=("mixtral-8x7b",),
@@ -59,26 +76,29 @@ def test_report_and_plots(setup, tmp_path):
     for plat in ("pcie_gen4", "nvlink_c2c"):
         assert sp["all_resident"][plat] >= max(sp[r][plat] for r in LADDER[1:-1]) - 1e-9
         assert all(sp[r][plat] > 0 for r in LADDER[1:])
-    assert rep["trace"]["trace_tokens_equal_reference"]
+    assert rep["trace"]["trace_tokens_equal_reference"] and rep["trace"]["teacher_forced"] is False
+    # the Belady rungs: no demand paging misses less than on_demand_belady, no rung beats the bound
+    hr, t = rep["hit_rate"], rep["targets"]
+    assert hr["on_demand_belady"] >= hr["on_demand_lru"] and hr["oracle_belady"] == 1.0
+    for plat in ("pcie_gen4", "nvlink_c2c"):
+        c = rep["ceiling"][plat]
+        assert c["bound_speedup_vs_on_demand_lru"] >= sp["oracle_belady"][plat] - 1e-9
+        assert c["regime"] in ("link-bound", "lead-limited", "overlap can hide the loads")
+        assert t["ceiling_speedup_vs_on_demand_lru"][plat] == sp["oracle_belady"][plat]
+    assert t["speedup_ge_2.9_reachable_by_any_policy"] == (
+        max(c["bound_speedup_vs_on_demand_lru"] for c in rep["ceiling"].values()) >= 2.9)
     assert "fresh" in rep["m2r2"]["note"]
     json.dumps(rep)
     paths = write_plots(rep, tmp_path)
     assert len(paths) == 7 and all(os.path.getsize(p) > 1000 for p in paths)
 
 
-def test_prompt_file_errors(tmp_path):
-    f = tmp_path / "p.jsonl"
-    f.write_text('{"tokens": [1, 2]}\n\n{"prompt": "hi"}\n')
-    with pytest.raises(DataError, match=":3: a text prompt needs a tokenizer"):
-        load_prompts(f)
-    f.write_text('{"tokens": [1, 2]}\n{"tokens": "x"}\n')
-    with pytest.raises(DataError, match=":2: 'tokens'"):
-        load_prompts(f)
-    f.write_text('{"tokens": [1, 2]}\nnot json\n')
-    with pytest.raises(DataError, match=":2: not valid JSON"):
-        load_prompts(f)
-    f.write_text('{"tokens": [1, 2]}\n{"tokens": [3]}\n')
-    assert load_prompts(f, max_prompts=1) == [[1, 2]]
+def test_engine_ladder_skips_the_simulator_only_rungs(setup):
+    cfg, params, mcfg, mp, _, _, refs = setup
+    out = run_engine(cfg, params, mcfg, mp, PROMPTS[:1], 3, 2, [list(refs[0][:3])])
+    assert list(out) == [r for r in LADDER if r not in SIMULATOR_ONLY]
+    assert set(SIMULATOR_ONLY) == {"on_demand_belady", "oracle_belady"}
+    assert all(v["tokens_equal_all_resident"] for v in out.values())
 
 
 def _run_cli(args, cwd):
@@ -101,6 +121,10 @@ def test_cli_writes_report_and_plots(setup, tmp_path):
     assert rep["m2r2"]["fresh_untrained_params"] is True
     assert set(rep["simulated_speedup"]["m2r2"]) == {"pcie_gen5"}
     assert (out / "speedup_vs_rho.png").is_file()
+    r = _run_cli(["--checkpoint", str(ckpt), "--prompts", str(prompts), "--out", str(out), "--max_new_tokens", "2",
+                  "--forced_prompt_len", "2"], tmp_path)
+    assert r.returncode == 2
+    assert r.stderr.strip().splitlines()[-1].startswith("m2r2: error:") and "--forced_prompt_len=2" in r.stderr
     bad = tmp_path / "bad.jsonl"
     bad.write_text("{oops\n")
     r = _run_cli(["--checkpoint", str(ckpt), "--prompts", str(bad), "--out", str(out)], tmp_path)

@@ -1,0 +1,52 @@
+"""`m2r2 bench` end to end on a tiny model, pinned to one CPU core (what `make demo` runs for its
+one-core comparison), and the pinning helper's errors."""
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+from m2r2_jax.bench.cpu_cores import pin_to_cores
+from m2r2_jax.errors import ConfigError
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "cli"))
+from cli_helpers import run_m2r2  # noqa: E402
+
+
+def test_pin_errors():
+    n = len(os.sched_getaffinity(0))
+    with pytest.raises(ConfigError, match=f"expected 1..{n}"):
+        pin_to_cores(n + 1)
+    with pytest.raises(ConfigError, match="expected 1"):
+        pin_to_cores(0)
+    import jax
+
+    jax.devices()  # this test process already runs JAX: pinning now would leave its threads unpinned
+    with pytest.raises(ConfigError, match="too late"):
+        pin_to_cores(1)
+
+
+def test_bench_cli_pinned_to_one_core(tmp_path):
+    from decoding_helpers import model, random_m2r2
+    from m2r2_jax.m2r2.checkpoint import save_m2r2
+    from m2r2_jax.m2r2.loading import default_m2r2_config
+    from m2r2_jax.models.checkpoint import params_fingerprint, save_model
+
+    cfg, params = model("llama", vocab_size=64)
+    base = save_model(tmp_path / "base", cfg, params)
+    mcfg = default_m2r2_config(cfg)
+    m2r2 = save_m2r2(tmp_path / "m2r2", mcfg, random_m2r2(cfg, mcfg, 0), cfg, params_fingerprint(cfg, params))
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"tokens": [1 + i, 5, 7 + i]}) + "\n" for i in range(2)))
+    out = tmp_path / "out"
+    r = run_m2r2(["bench", f"--checkpoint={base}", f"--m2r2={m2r2}", f"--prompts={prompts}", f"--out={out}",
+                  "--cpu_cores=1", "--batch_sizes=1", "--max_new_tokens=6", "--repeats=1", "--gamma=2"])
+    assert r.returncode == 0, r.stderr[-2000:]
+    rep = json.loads((out / "report.json").read_text())
+    assert rep["device"]["cpu_cores_in_use"] == 1
+    spec = rep["speculative"]
+    assert set(spec) == {"ar", "m2r2_spec", "distance_spec"}
+    assert spec["m2r2_spec"]["identical_to_ar"] and spec["distance_spec"]["identical_to_ar"]
+    assert len(spec["m2r2_spec"]["speedup_vs_ar_per_answer"]) == 2

@@ -1,0 +1,106 @@
+"""Side-by-side timing: call pattern, medians, rotation, and one compile per in-graph component."""
+
+import itertools
+
+import jax.numpy as jnp
+import pytest
+
+from m2r2_jax.bench import speculative as S
+from m2r2_jax.decoding.api import SequenceResult
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 5])
+def test_rotations_put_every_method_in_every_slot(n):
+    names = [f"m{i}" for i in range(n)]
+    orders = [S._rotations(names, r) for r in range(n)]
+    assert all(sorted(o) == names for o in orders)
+    for slot in range(n):  # over n consecutive repeats each method runs once in each position
+        assert sorted(o[slot] for o in orders) == names
+
+
+class _FakeClock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+def test_side_by_side_interleaves_and_takes_medians(monkeypatch):
+    """A fake engine advances a fake clock; the machine gets 3x slower after the 4th timed pair.
+    Every (repeat, prompt) runs all methods back to back, so both see the slowdown alike, while
+    timing one method after the other (the old way) charges it to one of them."""
+    clock = _FakeClock()
+    calls = []
+    cost = {"fast": 1.0, "slow": 2.0}
+
+    def fake_run(engine, prompts, batch_size, width, tau):
+        calls.append((engine, tuple(prompts[0]), tau))
+        load = 3.0 if len(calls) > SWITCH else 1.0
+        clock.now += cost[engine] * load * len(prompts[0])
+        return [SequenceResult(tokens=list(prompts[0]) * 2, accepted=[], rounds=1, target_layers=0, draft_layers=0)]
+
+    monkeypatch.setattr(S, "_run", fake_run)
+    monkeypatch.setattr(S.time, "perf_counter", clock)
+    prompts = [[1], [2, 2]]
+    out = S.per_answer_timing_side_by_side({"a": ("fast", 0.5), "b": ("slow", 0.9)}, prompts, width=2, repeats=3)
+    # two compiles first, then repeats x prompts x methods timed calls, each (repeat, prompt) pair adjacent
+    assert [c[0] for c in calls[:2]] == ["fast", "slow"]
+    timed = calls[2:]
+    assert len(timed) == 3 * 2 * 2
+    for pair in zip(timed[::2], timed[1::2]):
+        assert {c[0] for c in pair} == {"fast", "slow"} and pair[0][1] == pair[1][1]
+    assert all(c[2] == (0.5 if c[0] == "fast" else 0.9) for c in calls)
+    for name, engine in (("a", "fast"), ("b", "slow")):
+        results, tps, secs = out[name]
+        assert [r.tokens for r in results] == [[1, 1], [2, 2, 2, 2]]
+        for i, p in enumerate(prompts):
+            per_call = sorted(c for c in _durations(calls, engine, p))
+            assert secs[i] == pytest.approx(per_call[1])  # median of 3
+            assert tps[i] == pytest.approx(2 * len(p) / secs[i])
+    # the slow method is 2x the fast one per answer, whatever the load did
+    ratio = [b / a for a, b in zip(out["a"][2], out["b"][2])]
+    assert ratio == pytest.approx([2.0, 2.0])
+
+    # one method after the other: the slowdown lands on the second method only
+    calls.clear()
+    first = S.per_answer_timing("fast", prompts, width=2, repeats=3, tau=0.5)
+    second = S.per_answer_timing("slow", prompts, width=2, repeats=3, tau=0.9)
+    assert [b / a for a, b in zip(first[2], second[2])] == pytest.approx([6.0, 6.0])
+
+
+SWITCH = 10  # calls before the machine slows down: 2 compiles + 4 timed pairs
+
+
+def _durations(calls, engine, prompt):
+    """Re-derive each timed call's duration from the fake cost model (load switch after SWITCH calls)."""
+    out = []
+    for idx, c in enumerate(calls, start=1):
+        if idx <= 2 or c[0] != engine or list(c[1]) != list(prompt):
+            continue
+        load = 3.0 if idx > SWITCH else 1.0
+        out.append({"fast": 1.0, "slow": 2.0}[engine] * load * len(prompt))
+    return out
+
+
+def test_in_graph_seconds_compiles_each_component_once():
+    traces = {"a": 0, "b": 0}
+
+    def make(name, k):
+        def fn(c):
+            traces[name] += 1  # runs at trace time only
+            return c @ jnp.eye(c.shape[0]) * k + 1.0
+        return fn
+
+    comps = {"a": (make("a", 1.0), jnp.ones((8, 8))), "b": (make("b", 0.5), jnp.ones((16, 16)))}
+    out = S.in_graph_seconds(comps, repeats=3, n_short=1, n_long=4)
+    assert traces == {"a": 1, "b": 1}  # the trip count is a runtime argument: one program each
+    for name in comps:
+        lo, hi = out[name]["spread"]
+        assert 0 < lo <= out[name]["seconds"] <= hi
+
+
+def test_durations_helper_matches_cost_model():
+    # guards the helper the interleaving test relies on
+    calls = [("fast", (1,), 0.5)] * 2 + list(itertools.islice(itertools.cycle([("fast", (1,), 0.5)]), 10))
+    assert _durations(calls, "fast", [1]) == [1.0] * (SWITCH - 2) + [3.0] * 2
