@@ -195,6 +195,9 @@ def run_demo(out, budget_name: str = "full", force: bool = False, skip_moe: bool
         _say("speculative: again pinned to one CPU core (m2r2 bench --cpu_cores 1, a fresh process)")
         report["speculative_one_core"] = _one_core_bench(out, dense_dir / "model", m2r2_dir / "m2r2", prompts,
                                                          budget)
+    report["speculative_sampled"] = S.sampled_comparison(
+        base_cfg, base_params, prompts, max_new_tokens=budget.max_new_tokens, temperature=0.8, gamma=4,
+        m2r2=(mcfg, m2r2_params), repeats=budget.repeats, progress=_say)
     timings["speculative_s"] = time.time() - t0
 
     t0 = time.time()

@@ -58,6 +58,15 @@ def table(report: dict) -> str:
             lines.append(f"  pinned to one core (a separate run): ar {one['ar']['tokens_per_s']:.1f} tok/s; "
                          + ", ".join(f"{m} {r['speedup_vs_ar']:.2f}x ({r['tokens_per_s']:.1f} tok/s)"
                                      for m, r in one.items() if m != "ar"))
+        sam = report.get("speculative_sampled")
+        if sam:
+            lines.append(f"  sampled (temperature {sam['temperature']}), side by side with sampled ar: "
+                         + ", ".join(f"{m} {sam[m]['speedup_vs_ar']:.2f}x, {sam[m]['mean_accepted_tokens']:.2f} accepted"
+                                     for m in SPEC_ORDER[1:] if m in sam))
+        if "distinct_token_fraction" in spec["ar"]:
+            lines.append(f"  ar's greedy answers: {spec['ar']['distinct_token_fraction']:.0%} distinct tokens"
+                         + ("  (they loop: acceptance is inflated for every drafter)"
+                            if spec["ar"]["distinct_token_fraction"] < 0.3 else ""))
         for m in SPEC_ORDER[1:]:
             if m in spec and "costs" in spec[m]:
                 c = spec[m]["costs"]

@@ -75,6 +75,10 @@ def test_targets_table_and_plots(tmp_path):
     rep["targets"] = t
     text = R.table(rep)
     assert "pinned to one core" in text and "m2r2_spec 1.20x" in text
+    rep["speculative_sampled"] = {"temperature": 0.8, "m2r2_spec": {"speedup_vs_ar": 1.1, "mean_accepted_tokens": 2.5}}
+    rep["speculative"]["ar"]["distinct_token_fraction"] = 0.05
+    text = R.table(rep)
+    assert "sampled (temperature 0.8)" in text and "m2r2_spec 1.10x, 2.50 accepted" in text and "they loop" in text
     assert "m2r2_spec" in text and "MISSED" in text and "alignment" in text
     written = R.write_plots(rep, tmp_path)
     assert {p.name for p in written} == {"alignment.png", "speculative.png", "batch_sweep.png", "early_exit.png"}

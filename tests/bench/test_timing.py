@@ -104,3 +104,25 @@ def test_durations_helper_matches_cost_model():
     # guards the helper the interleaving test relies on
     calls = [("fast", (1,), 0.5)] * 2 + list(itertools.islice(itertools.cycle([("fast", (1,), 0.5)]), 10))
     assert _durations(calls, "fast", [1]) == [1.0] * (SWITCH - 2) + [3.0] * 2
+
+
+def test_sampled_comparison_and_distinct_fraction():
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "decoding"))
+    from decoding_helpers import model, random_m2r2
+    from m2r2_jax.m2r2.loading import default_m2r2_config
+
+    cfg, params = model("llama", vocab_size=64)
+    mcfg = default_m2r2_config(cfg)
+    out = S.sampled_comparison(cfg, params, [[1, 2, 3], [4, 5]], max_new_tokens=6, temperature=0.8, gamma=2,
+                               m2r2=(mcfg, random_m2r2(cfg, mcfg, 0)), repeats=1)
+    assert out["temperature"] == 0.8 and set(out) >= {"ar", "m2r2_spec", "distance_spec"}
+    assert out["ar"]["speedup_vs_ar"] == 1.0 and out["ar"]["mean_accepted_tokens"] == 1.0
+    for m in ("m2r2_spec", "distance_spec"):
+        assert 1.0 <= out[m]["mean_accepted_tokens"] <= 3.0 and out[m]["tokens_per_s"] > 0
+        assert 0 < out[m]["distinct_token_fraction"] <= 1
+    looping = [SequenceResult(tokens=[7, 7, 7, 7], accepted=[], rounds=1, target_layers=0, draft_layers=0),
+               SequenceResult(tokens=[1, 2], accepted=[], rounds=1, target_layers=0, draft_layers=0)]
+    assert S.distinct_token_fraction(looping) == pytest.approx((1 / 4 + 1) / 2)
