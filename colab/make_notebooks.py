@@ -441,7 +441,7 @@ plats = list(PLATFORMS)
 print(f"{'':<18}" + "".join(f"{p:>13}" for p in plats))
 for rung, per_plat in report["simulated_speedup"].items():
     print(f"{rung:<18}" + "".join(f"{per_plat[p]:>13.2f}" for p in plats))
-print("\nceiling per platform (no policy can beat it on this trace):",
+print("\\nceiling per platform (no policy can beat it on this trace):",
       {p: round(c["bound_speedup_vs_on_demand_lru"], 2) for p, c in report["ceiling"].items()})
 print("\\nrho = expert transfer time / layer compute time:",
       {p: round(report["simulation"][report["simulated_speedup_model"]][p]["costs"]["rho"], 2) for p in plats})

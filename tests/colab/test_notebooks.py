@@ -296,8 +296,10 @@ def test_moe_offload_runs(executed):
     nb, out, _ = _ran(executed, "test_moe_offload_runs")
     report = json.loads((out / "moe_report.json").read_text())
     assert report["model"]["n_layers"] == 4 and report["model"]["n_experts"] == 8
-    assert report["trace"]["trace_tokens_equal_reference"] is True
-    assert report["trace"]["decoded_tokens"] > 0
+    # the trace follows held-out text (teacher-forced); the real engine still decodes greedily
+    assert report["trace"]["teacher_forced"] is True and report["trace"]["trace_tokens_equal_reference"] is None
+    assert report["trace"]["decoded_tokens"] > 0 and 0 < report["trace"]["distinct_token_fraction"] <= 1
+    assert set(report["ceiling"]) == {"pcie_gen4", "nvlink_c2c"}
     assert report["recall"]["oracle"] == pytest.approx(1.0)  # the true routing predicts itself
     assert all(0.0 <= report["recall"][p] <= 1.0 for p in ("next_gate", "m2r2"))
     assert set(report["simulated_speedup"]["m2r2"]) == {"pcie_gen4", "nvlink_c2c"}
