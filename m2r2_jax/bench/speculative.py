@@ -27,15 +27,6 @@ from m2r2_jax.decoding import api
 SPEC_METHODS = ("m2r2_spec", "distance_spec", "two_model")
 
 
-def _median_time(fn, repeats: int) -> tuple[float, list]:
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn())
-        times.append(time.perf_counter() - t0)
-    return float(np.median(times)), times
-
-
 def _run(engine, prompts, batch_size, width, tau):
     return api.run_engine(engine, prompts, batch_size=batch_size, width=width, tau=tau, fixed_batch=True)
 
