@@ -270,8 +270,6 @@ def _read_fp(model_workdir: Path) -> str:
 
 
 def _device() -> dict:
-    from m2r2_jax.bench.cpu_cores import cores_in_use
-
     d = jax.devices()[0]
     return {"platform": d.platform, "device_kind": d.device_kind, "count": jax.device_count(),
             "cpu_count": os.cpu_count(), "cpu_cores_in_use": cores_in_use(), "machine": platform.machine(),
