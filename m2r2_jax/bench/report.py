@@ -99,6 +99,11 @@ def table(report: dict) -> str:
             lines.append(f"  {'':<18}" + "".join(f"{pl:>13}" for pl in plats))
             for rung, row in sp.items():
                 lines.append(f"  {rung:<18}" + "".join(f"{row[pl]:>13.2f}" for pl in plats))
+            cs = moe.get("confidence_sweep", {})
+            for rung in ("next_gate", "m2r2"):
+                if all(rung in cs.get(pl, {}) for pl in plats):
+                    best = [max(cs[pl][rung].items(), key=lambda kv: kv[1]) for pl in plats]
+                    lines.append(f"  {rung + ' gated':<18}" + "".join(f"{v:>8.2f} @{float(g):<3.2g}" for g, v in best))
     if report.get("sample"):
         lines += ["", "sample of the dense base: " + repr(report["sample"]["prompt"] + report["sample"]["text"])[:300]]
     t = report.get("targets")

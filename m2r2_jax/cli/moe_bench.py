@@ -8,7 +8,9 @@ simulated ladder adds two Belady (MIN eviction) rungs, on_demand_belady and orac
 that need the future routing, so the engine skips them; "ceiling" in the output bounds every policy.
 Writes DIR/moe_report.json and PNG plots. Without --m2r2 the M2R2 parameters are fresh (untrained)
 and the report says so. `--forced_prompt_len N` records the trace teacher-forced on each prompt
-row's tokens after the first N (the real engine still decodes greedily).
+row's tokens after the first N (the real engine still decodes greedily). The m2r2 predictor's
+source per layer is chosen on `--calibration FILE` (default: the prompts' own tokens, which are
+prefill and never traced); `--nocalibrate_m2r2` keeps the built-in sources.
 """
 
 from __future__ import annotations
@@ -39,6 +41,9 @@ flags.DEFINE_integer("forced_prompt_len", 0,
                      "0: trace the model's own greedy decoding. N > 0: teacher forcing: each prompt's first N tokens "
                      "are the prompt and its next max_new_tokens tokens are fed instead of the greedy ones, so the "
                      "trace follows real text (a briefly trained model's greedy output repeats itself)", lower_bound=0)
+flags.DEFINE_bool("calibrate_m2r2", True, "choose the m2r2 predictor's source per layer on calibration text")
+flags.DEFINE_string("calibration", None, "prompt file whose texts choose the m2r2 predictor's sources "
+                    "(default: the prompts' own tokens); keep it apart from the traced text")
 flags.mark_flags_as_required(["checkpoint", "prompts", "out"])
 FLAGS = flags.FLAGS
 
@@ -76,7 +81,7 @@ def main(argv):
     import jax
 
     from m2r2_jax.data.tokenizer import load_tokenizer
-    from m2r2_jax.errors import ConfigError
+    from m2r2_jax.errors import ConfigError, DataError
     from m2r2_jax.m2r2.checkpoint import load_m2r2
     from m2r2_jax.m2r2.config import M2R2Config
     from m2r2_jax.m2r2.fast_stream import init_m2r2_params
@@ -90,6 +95,12 @@ def main(argv):
     tok_file = tokenizer_path(FLAGS.checkpoint)
     prompts = read_prompt_file(FLAGS.prompts, load_tokenizer(tok_file) if tok_file else None,
                                max_prompts=FLAGS.max_prompts)[0]
+    calibration = None
+    if FLAGS.calibration:
+        calibration = read_prompt_file(FLAGS.calibration, load_tokenizer(tok_file) if tok_file else None)[0]
+        if any(min(p) < 0 or max(p) >= cfg.vocab_size for p in calibration):
+            raise DataError(f"{FLAGS.calibration}: a token id is outside the vocabulary [0, {cfg.vocab_size})")
+        calibration = [p[: cfg.max_seq_len] for p in calibration]
     check_inputs(cfg, prompts)  # every input problem surfaces before the model is loaded or a line is printed
     cfg, params = load_model(FLAGS.checkpoint, cfg)
     fresh = FLAGS.m2r2 is None
@@ -106,9 +117,10 @@ def main(argv):
         prompts, continuations = [p[:n] for p in prompts], [p[n:n + FLAGS.max_new_tokens] for p in prompts]
     report = moe_report(cfg, params, mcfg, m2r2_params, prompts, max_new_tokens=FLAGS.max_new_tokens,
                         capacity=FLAGS.capacity or None, shapes=FLAGS.shapes, platforms=FLAGS.platforms,
-                        run_real_engine=FLAGS.engine, fresh_m2r2=fresh, continuations=continuations)
+                        run_real_engine=FLAGS.engine, fresh_m2r2=fresh, continuations=continuations,
+                        calibration=calibration, calibrate_m2r2=FLAGS.calibrate_m2r2)
     report["inputs"] = {"checkpoint": str(FLAGS.checkpoint), "m2r2": FLAGS.m2r2, "prompts": str(FLAGS.prompts),
-                        "forced_prompt_len": FLAGS.forced_prompt_len}
+                        "forced_prompt_len": FLAGS.forced_prompt_len, "calibration": FLAGS.calibration}
     out = Path(FLAGS.out)
     out.mkdir(parents=True, exist_ok=True)
     plots = write_plots(report, out)

@@ -177,7 +177,7 @@ def _cross_rank(cfg, params, states):
 class OffloadEngine:
     def __init__(self, base_cfg, base_params, *, capacity: Optional[int] = None, policy: str = "lru",
                  predictor: str = "none", mcfg=None, m2r2_params=None, prefetch_k: Optional[int] = None,
-                 device=None, host_memory_kind: str = "pinned_host"):
+                 device=None, host_memory_kind: str = "pinned_host", m2r2_sources=None):
         if not base_cfg.is_moe:
             raise ConfigError(f"moe offload needs a MoE base model; family {base_cfg.family!r} has n_experts=0")
         self.cfg = base_cfg
@@ -195,6 +195,8 @@ class OffloadEngine:
             if mcfg is None or m2r2_params is None:
                 raise ConfigError("predictor 'm2r2' needs an M2R2 config and parameters")
             mcfg.validate(base_cfg)
+            self.m2r2_plan, _ = m2r2_state_plan(base_cfg.n_layers, mcfg.branch_layer,
+                                                F.visited_layers(base_cfg, mcfg), m2r2_sources)
         self.mcfg, self.m2r2_params = mcfg, m2r2_params
         self.prefetch_k = self.k if prefetch_k is None else int(prefetch_k)
         self.device = device or jax.devices()[0]
@@ -319,7 +321,7 @@ class OffloadEngine:
             t0 = time.perf_counter()
             own, states, cache = _fast_pass(cfg, self.mcfg, self.fast_params, self.m2r2_params, tokens, positions, cache)
             b = self.mcfg.branch_layer
-            plan, _ = m2r2_state_plan(L, b, F.visited_layers(cfg, self.mcfg))
+            plan = self.m2r2_plan
             cross = None
             if any(kind == "state" and s >= 1 for kind, s in plan):
                 cross = np.asarray(_cross_rank(cfg, self.dense, states))  # [L, K, E] (fast states g_1..g_K)

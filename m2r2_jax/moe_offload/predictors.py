@@ -20,11 +20,14 @@ the experts ranked by the router logits it computed, and the op before which tha
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from m2r2_jax.errors import ConfigError
+from m2r2_jax.m2r2.fast_stream import train_forward, visited_layers
 from m2r2_jax.models.layers import rms_norm
 from m2r2_jax.moe_offload.trace import next_gate_issue
 
@@ -54,24 +57,114 @@ def ranking(logits: np.ndarray) -> np.ndarray:
     return np.argsort(-np.asarray(logits, np.float64), axis=-1, kind="stable")
 
 
-def m2r2_state_plan(n_layers: int, branch_layer: int, visited: tuple) -> tuple:
+def m2r2_state_plan(n_layers: int, branch_layer: int, visited: tuple, sources=None) -> tuple:
     """For each layer, how the m2r2 predictor guesses it: ("fast", i) = step i's own router,
-    ("state", s) = layer's router on fast state s (0 = g_0), ("next_gate", None) before the branch.
-    Plus the issue key of each layer."""
+    ("state", s) = layer's router on fast state s (0 = g_0 = h_b), ("next_gate", None) before the
+    branch. Plus the issue key of each layer.
+
+    Default sources: a visited layer uses its step's own router; a skipped layer uses the last fast
+    state whose target is at or before it. `sources` (one per layer, e.g. from
+    `choose_m2r2_sources`) replaces that choice; every fast state exists by the end of the fast
+    pass, so any source keeps the lead of the fast stream."""
     targets = [branch_layer] + [j + 1 for j in visited]  # input index each fast state approximates
     k = len(visited)
-    plan, issue = [], []
+    if sources is None:
+        sources = []
+        for l in range(n_layers):
+            if l < branch_layer:
+                sources.append(("next_gate", None))
+            elif l in visited:
+                sources.append(("fast", visited.index(l)))
+            else:
+                sources.append(("state", max(i for i, t in enumerate(targets) if t <= l)))
+    plan = tuple((str(kind), None if i is None else int(i)) for kind, i in sources)
+    check_m2r2_sources(plan, n_layers, branch_layer, visited)
     ng_issue = next_gate_issue(n_layers, 1)
+    issue = []
+    for l, (kind, i) in enumerate(plan):
+        if kind == "next_gate":
+            issue.append(ng_issue[l])
+        elif kind == "fast":
+            issue.append(("fast_mlp", i))
+        else:  # state i exists once step i-1 is done (g_0 before the first step)
+            issue.append(("fast_attn", i) if i < k else ("attn", branch_layer))
+    return plan, issue
+
+
+def check_m2r2_sources(plan, n_layers: int, branch_layer: int, visited: tuple) -> None:
+    if len(plan) != n_layers:
+        raise ConfigError(f"m2r2 predictor sources list {len(plan)} layers; the model has {n_layers}")
+    for l, (kind, i) in enumerate(plan):
+        ok = ((kind == "next_gate" and l < branch_layer)
+              or (kind == "fast" and l >= branch_layer and i is not None and 0 <= i < len(visited) and visited[i] == l)
+              or (kind == "state" and l >= branch_layer and i is not None and 0 <= i <= len(visited)))
+        if not ok:
+            raise ConfigError(f"m2r2 predictor source {(kind, i)!r} for layer {l} is invalid: layers before the "
+                              f"branch ({branch_layer}) use ('next_gate', None); later layers use ('fast', i) at "
+                              f"the layer step i visits (visited: {list(visited)}) or ('state', s), 0 <= s <= {len(visited)}")
+
+
+def source_candidates(n_layers: int, branch_layer: int, visited: tuple) -> list:
+    """Every source each layer could be guessed from (see `m2r2_state_plan`)."""
+    out = []
     for l in range(n_layers):
         if l < branch_layer:
-            plan.append(("next_gate", None))
-            issue.append(ng_issue[l])
-        elif l in visited:
-            i = visited.index(l)
-            plan.append(("fast", i))
-            issue.append(("fast_mlp", i))
-        else:
-            s = max(i for i, t in enumerate(targets) if t <= l)
-            plan.append(("state", s))
-            issue.append(("fast_attn", s) if s < k else ("attn", branch_layer))
-    return tuple(plan), issue
+            out.append([("next_gate", None)])
+            continue
+        own = [("fast", visited.index(l))] if l in visited else []
+        out.append(own + [("state", s) for s in range(len(visited) + 1)])
+    return out
+
+
+def choose_m2r2_sources(base_cfg, base_params, mcfg, m2r2_params, sequences) -> tuple:
+    """Pick, per layer, the source whose top-k guess recalls the most of the true routing on
+    `sequences` (token lists, teacher-forced in one pass of `train_forward`, whose fast steps see
+    what they see when decoding). Layer l's router often reads a fast state other than the one
+    aimed at layer l better (a skipped layer may route like a visited one). Returns (sources,
+    {layer: {source: recall}}); ties keep the default source. Use text apart from any trace being
+    scored, or the choice is fitted to it."""
+
+    rows = [list(map(int, s)) for s in sequences if len(s) > 0]
+    if not rows:
+        raise ConfigError("choosing the m2r2 predictor's sources needs at least one non-empty sequence")
+    L, k = base_cfg.n_layers, base_cfg.n_experts_per_tok
+    b, visited = mcfg.branch_layer, tuple(visited_layers(base_cfg, mcfg))
+    default, _ = m2r2_state_plan(L, b, visited)
+    hits = {}
+    for length in sorted({len(r) for r in rows}):  # one compile per distinct length
+        batch = jnp.asarray([r for r in rows if len(r) == length], jnp.int32)
+        true_l, cross, own = (np.asarray(a) for a in _source_logits(base_cfg, mcfg, base_params, m2r2_params, batch))
+        true = _top_k_sets(true_l, k)  # [L, B, T, k]
+        for l, cands in enumerate(source_candidates(L, b, visited)):
+            for kind, i in cands:
+                if kind == "next_gate":
+                    continue
+                guess = _top_k_sets(own[i] if kind == "fast" else cross[l, i], k)  # [B, T, k]
+                got = int((guess[..., :, None] == true[l][..., None, :]).any(-1).sum())
+                n_hit, n_all = hits.get((l, (kind, i)), (0, 0))
+                hits[(l, (kind, i))] = (n_hit + got, n_all + true[l].size)
+    recall = {}
+    sources = []
+    for l in range(L):
+        table = {src: h / n for (ll, src), (h, n) in hits.items() if ll == l}
+        recall[l] = table
+        best = default[l]
+        for src, r in table.items():
+            if r > table.get(best, -1.0):
+                best = src
+        sources.append(best)
+    return tuple(sources), recall
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _source_logits(base_cfg, mcfg, base_params, m2r2_params, tokens):
+    """Router logits of every source over whole sequences: (true [L, B, T, E], cross [L, K+1, B, T, E]
+    on g_0..g_K, own [K, B, T, E])."""
+    tf = train_forward(base_cfg, mcfg, base_params, m2r2_params, tokens)
+    states = jnp.concatenate([tf.g0[None], tf.states], axis=0)
+    return tf.slow_router_logits, cross_router_logits(base_cfg, base_params, states), tf.moe_router_logits
+
+
+def _top_k_sets(logits: np.ndarray, k: int) -> np.ndarray:
+    """[..., E] logits -> [..., k] experts (same tie rule as `ranking`)."""
+    return ranking(logits)[..., :k]

@@ -57,11 +57,13 @@ def _prefill(base_cfg, base_params, tokens, cache):
 
 def record_trace(base_cfg, base_params, mcfg, m2r2_params, prompts: Sequence[Sequence[int]],
                  max_new_tokens: int, lookaheads: Sequence[int] = (1, 2, 3, 4),
-                 forced: Optional[Sequence[Sequence[int]]] = None) -> tuple[RoutingTrace, list]:
+                 forced: Optional[Sequence[Sequence[int]]] = None,
+                 m2r2_sources=None) -> tuple[RoutingTrace, list]:
     """Greedy-decode every prompt for `max_new_tokens` and record the routing trace of every
     decoded token (the prompt's own tokens are prefill, not traced). Returns (trace, generated).
     With `forced` (one continuation of >= max_new_tokens tokens per prompt) the continuation's
-    tokens are fed instead of the greedy ones and returned as `generated`."""
+    tokens are fed instead of the greedy ones and returned as `generated`. `m2r2_sources`: the m2r2
+    predictor's source per layer (`predictors.m2r2_state_plan`; default: its built-in choice)."""
     if not base_cfg.is_moe:
         raise ConfigError(f"moe offload needs a MoE base model; family {base_cfg.family!r} has n_experts=0")
     mcfg.validate(base_cfg)
@@ -70,9 +72,10 @@ def record_trace(base_cfg, base_params, mcfg, m2r2_params, prompts: Sequence[Seq
     L, E, k = base_cfg.n_layers, base_cfg.n_experts, base_cfg.n_experts_per_tok
     visited = F.visited_layers(base_cfg, mcfg)
     b = mcfg.branch_layer
-    plan, m2r2_issue = m2r2_state_plan(L, b, visited)
+    plan, m2r2_issue = m2r2_state_plan(L, b, visited, m2r2_sources)
     lookaheads = sorted(set(int(a) for a in lookaheads) | {1})
     rows = {"true": [], "m2r2": [], "fast_routes": [], **{f"next_gate@{a}": [] for a in lookaheads}}
+    probs = {name: [] for name in rows if name not in ("true", "fast_routes")}
     if forced is not None and len(forced) != len(prompts):
         raise DataError(f"teacher forcing needs one continuation per prompt: {len(forced)} for {len(prompts)} prompts")
     generated = []
@@ -103,37 +106,58 @@ def record_trace(base_cfg, base_params, mcfg, m2r2_params, prompts: Sequence[Seq
             true = ranking(o["true"][:, 0])[:, :k]  # [L, k]
             rows["true"].append(true)
             for a in lookaheads:
-                r = np.full((L, E), -1, np.int64)
+                lg = np.full((L, E), -np.inf)
                 for l in range(a - 1, L):
-                    r[l] = ranking(o["slow_cross"][l, l - a + 1, 0])
-                rows[f"next_gate@{a}"].append(r)
-            r = np.full((L, E), -1, np.int64)
+                    lg[l] = o["slow_cross"][l, l - a + 1, 0]
+                _add_guess(rows[f"next_gate@{a}"], probs[f"next_gate@{a}"], lg)
+            lg = np.empty((L, E))
             for l, (kind, s) in enumerate(plan):
                 if kind == "fast":
-                    r[l] = ranking(o["fast_own"][s, 0])
+                    lg[l] = o["fast_own"][s, 0]
                 elif kind == "state":
-                    r[l] = ranking(o["fast_cross"][l, s, 0])
+                    lg[l] = o["fast_cross"][l, s, 0]
                 else:
-                    r[l] = ranking(o["slow_cross"][l, l, 0])
-            rows["m2r2"].append(r)
+                    lg[l] = o["slow_cross"][l, l, 0]
+            _add_guess(rows["m2r2"], probs["m2r2"], lg)
             rows["fast_routes"].append(ranking(o["fast_own"][:, 0])[:, :k])
             tok = jnp.asarray(o["next_token"])
         generated.append(out)
     true = np.stack(rows["true"])
-    rankings = {"oracle": ranking_from_true(true, E), "m2r2": np.stack(rows["m2r2"])}
+    oracle = ranking_from_true(true, E)
+    rankings = {"oracle": oracle, "m2r2": np.stack(rows["m2r2"])}
+    trace_probs = {"oracle": oracle_probs(true, E), "m2r2": np.stack(probs["m2r2"])}
     issue = {"oracle": [("attn", 0)] * L, "m2r2": m2r2_issue}
     for a in lookaheads:
         name = "next_gate" if a == 1 else f"next_gate@{a}"
         rankings[name] = np.stack(rows[f"next_gate@{a}"])
+        trace_probs[name] = np.stack(probs[f"next_gate@{a}"])
         issue[name] = next_gate_issue(L, a)
     trace = RoutingTrace(
         n_layers=L, n_experts=E, top_k=k, true=true, rankings=rankings, issue=issue,
         uses_fast={"m2r2": True}, branch_layer=b, visited=tuple(visited), moe_fast_mlp=mcfg.moe_fast_mlp,
-        fast_routes=np.stack(rows["fast_routes"]),
+        fast_routes=np.stack(rows["fast_routes"]), probs=trace_probs,
         notes={"m2r2_layers_before_branch": "next_gate (the fast stream branches at layer b)",
+               "m2r2_sources": [list(src) for src in plan],
                "hidden_index": "h_m is the input of 0-based layer m (h_0 = embeddings)"},
     )
     return trace.validate(), generated
+
+
+def _add_guess(rank_rows: list, prob_rows: list, logits: np.ndarray) -> None:
+    """Append one token's [L, E] ranking and router probabilities from a predictor's logits
+    (rows of -inf: no guess at that layer -> ranking -1, probabilities 0)."""
+    guessed = np.isfinite(logits).all(axis=-1)
+    safe = np.where(guessed[:, None], logits, 0.0)
+    rank_rows.append(np.where(guessed[:, None], ranking(safe), -1))
+    z = np.exp(safe - safe.max(axis=-1, keepdims=True))
+    prob_rows.append(np.where(guessed[:, None], z / z.sum(axis=-1, keepdims=True), 0.0).astype(np.float32))
+
+
+def oracle_probs(true: np.ndarray, n_experts: int) -> np.ndarray:
+    """The oracle is certain: probability 1 for each truly routed expert, 0 for the rest."""
+    out = np.zeros(true.shape[:2] + (n_experts,), np.float32)
+    np.put_along_axis(out, np.asarray(true, np.int64), 1.0, axis=-1)
+    return out
 
 
 def ranking_from_true(true: np.ndarray, n_experts: int) -> np.ndarray:

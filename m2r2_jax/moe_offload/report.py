@@ -20,6 +20,7 @@ from m2r2_jax.moe_offload import platforms as P
 from m2r2_jax.moe_offload.engine import OffloadEngine, memory_kinds
 from m2r2_jax.moe_offload.metrics import mean_recall, recall_by_lookahead, recall_per_layer
 from m2r2_jax.moe_offload.policies import FUTURE_POLICIES
+from m2r2_jax.moe_offload.predictors import choose_m2r2_sources, m2r2_state_plan
 from m2r2_jax.moe_offload.record import generate_reference, record_trace
 from m2r2_jax.moe_offload.simulator import simulate
 
@@ -34,6 +35,8 @@ RUNGS = {"on_demand_lru": ("none", "lru"), "next_gate": ("next_gate", "predictiv
          "on_demand_belady": ("none", "belady"), "oracle_belady": ("oracle", "belady")}
 SIMULATOR_ONLY = tuple(r for r, (_, policy) in RUNGS.items() if policy in FUTURE_POLICIES)
 TARGET_SPEEDUP = 2.9  # the benchmark target: speedup over on-demand LRU at 2 x active experts
+# prefetch gates swept in report["confidence_sweep"] (simulator.guess_confidence; 0 = prefetch every guess)
+CONFIDENCE_GRID = (0.0, 1.1, 1.25, 1.5, 2.0)
 RHO_GRID = (0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0)
 
 
@@ -127,7 +130,7 @@ def calibrate_engine(base_cfg, base_params, repeats: int = 20) -> dict:
 
 
 def run_engine(base_cfg, base_params, mcfg, m2r2_params, prompts, max_new_tokens: int, capacity: int,
-               reference: list) -> dict:
+               reference: list, m2r2_sources=None) -> dict:
     """The real engine per ladder rung on every prompt: hit rate, bytes, stall, tokens/s, and
     whether its tokens equal the all-resident model's."""
     out = {}
@@ -139,7 +142,7 @@ def run_engine(base_cfg, base_params, mcfg, m2r2_params, prompts, max_new_tokens
         else:
             (pred, policy), cap = RUNGS[rung], capacity
         eng = OffloadEngine(base_cfg, base_params, capacity=cap, policy=policy, predictor=pred,
-                            mcfg=mcfg, m2r2_params=m2r2_params)
+                            mcfg=mcfg, m2r2_params=m2r2_params, m2r2_sources=m2r2_sources)
         routes = []
         if pred == "oracle":  # the oracle's routing: a first pass over the same prompts
             first = OffloadEngine(base_cfg, base_params, capacity=cap)
@@ -164,11 +167,14 @@ def moe_report(base_cfg, base_params, mcfg, m2r2_params, prompts_tokens: Sequenc
                shapes: Sequence[str] = ("mixtral-8x7b", "olmoe-1b-7b"),
                platforms: Sequence[str] = tuple(P.PLATFORMS), run_real_engine: bool = True,
                fresh_m2r2: bool = False, lookaheads: Sequence[int] = (1, 2, 3, 4),
-               continuations: Optional[Sequence[Sequence[int]]] = None) -> dict:
+               continuations: Optional[Sequence[Sequence[int]]] = None,
+               calibration: Optional[Sequence[Sequence[int]]] = None, calibrate_m2r2: bool = True) -> dict:
     """Record routing from real greedy decoding, score the predictors, replay the trace through
     the cost model of named real models on named platforms, and run the real engine.
     `continuations` (one per prompt): record the trace teacher-forced on these tokens instead of
     the model's greedy output (the real engine still decodes greedily).
+    `calibrate_m2r2`: choose the m2r2 predictor's source per layer (`choose_m2r2_sources`) on
+    `calibration` text, by default the prompts themselves (prefill tokens, never part of the trace).
 
     Returns a dict with (at least) `recall`, `hit_rate` and `simulated_speedup` (per predictor,
     per platform, vs on-demand LRU with the cache at `capacity` = 2 x active experts)."""
@@ -183,8 +189,14 @@ def moe_report(base_cfg, base_params, mcfg, m2r2_params, prompts_tokens: Sequenc
     shapes = [P.get_shape(s) for s in shapes]
     plats = [P.get_platform(p) for p in platforms]
 
+    visited = tuple(visited_layers(base_cfg, mcfg))
+    default_sources, _ = m2r2_state_plan(base_cfg.n_layers, mcfg.branch_layer, visited)
+    sources, source_recall = default_sources, None
+    if calibrate_m2r2:
+        sources, source_recall = choose_m2r2_sources(base_cfg, base_params, mcfg, m2r2_params,
+                                                     calibration if calibration is not None else prompts_tokens)
     trace, generated = record_trace(base_cfg, base_params, mcfg, m2r2_params, prompts_tokens, max_new_tokens, lookaheads,
-                                    forced=continuations)
+                                    forced=continuations, m2r2_sources=sources)
     predictors = ("next_gate", "m2r2", "oracle")
     per_layer = {p: recall_per_layer(trace, p) for p in trace.rankings}
     recall = {p: mean_recall(per_layer[p]) for p in predictors}
@@ -206,6 +218,17 @@ def moe_report(base_cfg, base_params, mcfg, m2r2_params, prompts_tokens: Sequenc
     any_costs = sims[main][plats[0].name]["ladder"]
     for rung in LADDER:
         hit_rate[rung] = any_costs[rung]["hit_rate"]
+
+    # confidence-gated prefetch: each predictor prefetches only the guesses it is sure of
+    confidence_sweep = {}
+    for plat in plats:
+        costs = P.platform_costs(shapes[0], plat, mcfg.moe_fast_mlp, adapter_overhead(shapes[0], base_cfg, mcfg),
+                                 mcfg.moe_lowrank_dim)
+        base_s = sims[main][plat.name]["ladder"]["on_demand_lru"]["total_s"]
+        confidence_sweep[plat.name] = {
+            rung: {str(th): base_s / simulate(trace, RUNGS[rung][0], costs, capacity, RUNGS[rung][1],
+                                              min_confidence=th).total_s for th in CONFIDENCE_GRID}
+            for rung in ("next_gate", "m2r2")}
 
     # speedup as a function of rho (vary the link; compute fixed at the first platform's device)
     rho_sweep = {}
@@ -233,7 +256,12 @@ def moe_report(base_cfg, base_params, mcfg, m2r2_params, prompts_tokens: Sequenc
         "model": {"family": base_cfg.family, "n_layers": base_cfg.n_layers, "n_experts": E, "top_k": k,
                   "d_model": base_cfg.d_model, "moe_d_ff": base_cfg.moe_d_ff},
         "m2r2": {"config": mcfg.to_dict(), "fresh_untrained_params": bool(fresh_m2r2),
-                 "visited_layers": list(visited_layers(base_cfg, mcfg)),
+                 "visited_layers": list(visited),
+                 "sources": [list(x) for x in sources], "default_sources": [list(x) for x in default_sources],
+                 "sources_calibrated_on_tokens": (sum(len(x) for x in (calibration if calibration is not None
+                                                                        else prompts_tokens)) if calibrate_m2r2 else 0),
+                 "source_recall_on_calibration": ({str(l): {f"{kind}:{i}": r for (kind, i), r in tab.items()}
+                                                   for l, tab in source_recall.items()} if source_recall else None),
                  "draft_cost_layers": float(draft_cost_layers(base_cfg, mcfg))},
         "trace": {"prompts": len(prompts_tokens), "decoded_tokens": trace.n_tokens,
                   "teacher_forced": continuations is not None,
@@ -251,6 +279,7 @@ def moe_report(base_cfg, base_params, mcfg, m2r2_params, prompts_tokens: Sequenc
         "simulated_speedup_model": main,
         "ceiling": {pl: sims[main][pl]["ceiling"] for pl in sims[main]},
         "simulation": sims,
+        "confidence_sweep": confidence_sweep,
         "rho_sweep": rho_sweep,
         "bandwidth_capacity_sweep": bw_sweep,
         "assumptions": dict(P.assumptions(), **{
@@ -263,6 +292,13 @@ def moe_report(base_cfg, base_params, mcfg, m2r2_params, prompts_tokens: Sequenc
                                f"fast MLP per step: moe_fast_mlp={mcfg.moe_fast_mlp!r} (experts: k experts and their "
                                "loads; lowrank: a d x r adapter; none: nothing)"),
             "m2r2_before_branch": "layers before branch_layer use next_gate inside the m2r2 predictor",
+            "confidence_sweep": ("speedup over on-demand LRU per platform when a predictor prefetches only the "
+                                 "guesses whose confidence (router probability over that of the best expert left "
+                                 "out of the guess) reaches the gate; 0 = every guess, as in the ladder"),
+            "m2r2_sources": ("the m2r2 predictor guesses each layer from the source (a fast step's own router "
+                             "or a layer's router on one of the fast states) that recalled the most routing on "
+                             "the calibration text (the prompts' own tokens unless given); all sources exist "
+                             "by the end of the fast pass, so the lead is the fast stream's"),
             "belady_rungs": ("on_demand_belady and oracle_belady evict the expert next needed furthest in the "
                              "future (Belady's MIN, read from the recorded routing): simulator-only ceilings, "
                              "not methods. on_demand_belady is the fewest loads of any demand paging at this "
@@ -290,7 +326,7 @@ def moe_report(base_cfg, base_params, mcfg, m2r2_params, prompts_tokens: Sequenc
         report["engine"] = {"memory_kinds": list(memory_kinds()), "host_memory_kind": "pinned_host",
                             "calibration": cal,
                             "ladder": run_engine(base_cfg, base_params, mcfg, m2r2_params, prompts_tokens,
-                                                 max_new_tokens, capacity, reference)}
+                                                 max_new_tokens, capacity, reference, m2r2_sources=sources)}
     report["targets"] = targets(report)
     return report
 

@@ -42,6 +42,9 @@ class RoutingTrace:
     visited: tuple = ()  # 0-based layer of each fast step
     moe_fast_mlp: str = "none"
     fast_routes: Optional[np.ndarray] = None  # [N, K, k] the fast stream's own top-k at visited layers
+    # predictor name -> [N, L, E] router probabilities behind each ranking (softmax of the logits the
+    # predictor computed; 0 where it makes no guess). Optional: confidence-gated prefetch needs it.
+    probs: Optional[dict] = None
     notes: dict = dataclasses.field(default_factory=dict)
 
     @property
@@ -70,6 +73,10 @@ class RoutingTrace:
                 raise DataError(f"trace: ranking of {name!r} has shape {r.shape}, expected {(n, L, self.n_experts)}")
             if len(self.issue[name]) != L:
                 raise DataError(f"trace: issue points of {name!r} must list {L} layers")
+        for name, p in (self.probs or {}).items():
+            if name not in self.rankings or p.shape != self.rankings[name].shape:
+                raise DataError(f"trace: probabilities of {name!r} must match its ranking's shape "
+                                f"{self.rankings.get(name, np.empty(0)).shape}, got {p.shape}")
         if self.fast_routes is not None and self.fast_routes.shape[:2] != (n, len(self.visited)):
             raise DataError(f"trace: fast_routes has shape {self.fast_routes.shape}, expected [N, {len(self.visited)}, k]")
         return self

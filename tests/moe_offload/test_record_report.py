@@ -88,6 +88,14 @@ def test_report_and_plots(setup, tmp_path):
     assert t["speedup_ge_2.9_reachable_by_any_policy"] == (
         max(c["bound_speedup_vs_on_demand_lru"] for c in rep["ceiling"].values()) >= 2.9)
     assert "fresh" in rep["m2r2"]["note"]
+    # the m2r2 predictor's sources were chosen on the prompts, and the trace used them
+    assert rep["m2r2"]["sources"] == rep["trace"]["m2r2_sources"]
+    assert rep["m2r2"]["sources_calibrated_on_tokens"] == len(PROMPTS[0])
+    # confidence-gated prefetch: gate 0 is the ladder's rung itself
+    for plat in ("pcie_gen4", "nvlink_c2c"):
+        for rung in ("next_gate", "m2r2"):
+            sweep = rep["confidence_sweep"][plat][rung]
+            assert sweep["0.0"] == pytest.approx(sp[rung][plat]) and len(sweep) == 5
     json.dumps(rep)
     paths = write_plots(rep, tmp_path)
     assert len(paths) == 7 and all(os.path.getsize(p) > 1000 for p in paths)
@@ -121,6 +129,20 @@ def test_cli_writes_report_and_plots(setup, tmp_path):
     assert rep["m2r2"]["fresh_untrained_params"] is True
     assert set(rep["simulated_speedup"]["m2r2"]) == {"pcie_gen5"}
     assert (out / "speedup_vs_rho.png").is_file()
+    assert rep["m2r2"]["sources_calibrated_on_tokens"] == 3  # the prompt's own tokens by default
+    calib = tmp_path / "calib.jsonl"
+    calib.write_text('{"tokens": [1, 2, 3, 4, 5, 6]}\n{"tokens": [9, 8, 7, 6]}\n')
+    r = _run_cli(["--checkpoint", str(ckpt), "--prompts", str(prompts), "--out", str(out), "--max_new_tokens", "2",
+                  "--noengine", "--shapes", "olmoe-1b-7b", "--platforms", "pcie_gen5", "--calibration", str(calib)],
+                 tmp_path)
+    assert r.returncode == 0, r.stderr[-2000:]
+    rep = json.loads((out / "moe_report.json").read_text())
+    assert rep["m2r2"]["sources_calibrated_on_tokens"] == 10 and rep["inputs"]["calibration"] == str(calib)
+    calib.write_text('{"tokens": [1, 99999]}\n')
+    r = _run_cli(["--checkpoint", str(ckpt), "--prompts", str(prompts), "--out", str(out), "--calibration", str(calib)],
+                 tmp_path)
+    assert r.returncode == 2
+    assert r.stderr.strip().splitlines()[-1].startswith("m2r2: error:") and "calib.jsonl" in r.stderr
     r = _run_cli(["--checkpoint", str(ckpt), "--prompts", str(prompts), "--out", str(out), "--max_new_tokens", "2",
                   "--forced_prompt_len", "2"], tmp_path)
     assert r.returncode == 2
