@@ -130,7 +130,7 @@ def choose_m2r2_sources(base_cfg, base_params, mcfg, m2r2_params, sequences) -> 
     L, k = base_cfg.n_layers, base_cfg.n_experts_per_tok
     b, visited = mcfg.branch_layer, tuple(visited_layers(base_cfg, mcfg))
     default, _ = m2r2_state_plan(L, b, visited)
-    hits = {}
+    hits = [{} for _ in range(L)]  # per layer: source -> (experts recalled, experts routed)
     for length in sorted({len(r) for r in rows}):  # one compile per distinct length
         batch = jnp.asarray([r for r in rows if len(r) == length], jnp.int32)
         true_l, cross, own = (np.asarray(a) for a in _source_logits(base_cfg, mcfg, base_params, m2r2_params, batch))
@@ -141,19 +141,12 @@ def choose_m2r2_sources(base_cfg, base_params, mcfg, m2r2_params, sequences) -> 
                     continue
                 guess = _top_k_sets(own[i] if kind == "fast" else cross[l, i], k)  # [B, T, k]
                 got = int((guess[..., :, None] == true[l][..., None, :]).any(-1).sum())
-                n_hit, n_all = hits.get((l, (kind, i)), (0, 0))
-                hits[(l, (kind, i))] = (n_hit + got, n_all + true[l].size)
-    recall = {}
-    sources = []
-    for l in range(L):
-        table = {src: h / n for (ll, src), (h, n) in hits.items() if ll == l}
-        recall[l] = table
-        best = default[l]
-        for src, r in table.items():
-            if r > table.get(best, -1.0):
-                best = src
-        sources.append(best)
-    return tuple(sources), recall
+                h, n = hits[l].get((kind, i), (0, 0))
+                hits[l][(kind, i)] = (h + got, n + true[l].size)
+    recall = {l: {src: h / n for src, (h, n) in hits[l].items()} for l in range(L)}
+    sources = tuple(max(recall[l], key=lambda src: (recall[l][src], src == default[l])) if recall[l] else default[l]
+                    for l in range(L))
+    return sources, recall
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1))

@@ -192,9 +192,9 @@ def moe_report(base_cfg, base_params, mcfg, m2r2_params, prompts_tokens: Sequenc
     visited = tuple(visited_layers(base_cfg, mcfg))
     default_sources, _ = m2r2_state_plan(base_cfg.n_layers, mcfg.branch_layer, visited)
     sources, source_recall = default_sources, None
+    calibration = prompts_tokens if calibration is None else calibration
     if calibrate_m2r2:
-        sources, source_recall = choose_m2r2_sources(base_cfg, base_params, mcfg, m2r2_params,
-                                                     calibration if calibration is not None else prompts_tokens)
+        sources, source_recall = choose_m2r2_sources(base_cfg, base_params, mcfg, m2r2_params, calibration)
     trace, generated = record_trace(base_cfg, base_params, mcfg, m2r2_params, prompts_tokens, max_new_tokens, lookaheads,
                                     forced=continuations, m2r2_sources=sources)
     predictors = ("next_gate", "m2r2", "oracle")
@@ -203,7 +203,7 @@ def moe_report(base_cfg, base_params, mcfg, m2r2_params, prompts_tokens: Sequenc
     m2r2_layers = [l for l in range(base_cfg.n_layers) if l >= mcfg.branch_layer]
     recall_after_branch = {p: mean_recall(per_layer[p], m2r2_layers) for p in predictors}
 
-    sims, speedup, hit_rate = {}, {}, {}
+    sims, speedup, hit_rate, confidence_sweep = {}, {}, {}, {}
     for shape in shapes:
         ovh = adapter_overhead(shape, base_cfg, mcfg)
         sims[shape.name] = {}
@@ -212,23 +212,18 @@ def moe_report(base_cfg, base_params, mcfg, m2r2_params, prompts_tokens: Sequenc
             lad = simulate_ladder(trace, costs, capacity)
             sims[shape.name][plat.name] = {"costs": costs.to_dict(), "ladder": lad,
                                            "ceiling": ceiling(lad, costs, trace.n_layers)}
+            if shape is shapes[0]:  # confidence-gated prefetch: only the guesses a predictor is sure of
+                base_s = lad["on_demand_lru"]["total_s"]
+                confidence_sweep[plat.name] = {
+                    rung: {str(th): base_s / simulate(trace, RUNGS[rung][0], costs, capacity, RUNGS[rung][1],
+                                                      min_confidence=th).total_s for th in CONFIDENCE_GRID}
+                    for rung in ("next_gate", "m2r2")}
     main = shapes[0].name
     for rung in LADDER[1:]:
         speedup[rung] = {pl: sims[main][pl]["ladder"][rung]["speedup_vs_on_demand_lru"] for pl in sims[main]}
     any_costs = sims[main][plats[0].name]["ladder"]
     for rung in LADDER:
         hit_rate[rung] = any_costs[rung]["hit_rate"]
-
-    # confidence-gated prefetch: each predictor prefetches only the guesses it is sure of
-    confidence_sweep = {}
-    for plat in plats:
-        costs = P.platform_costs(shapes[0], plat, mcfg.moe_fast_mlp, adapter_overhead(shapes[0], base_cfg, mcfg),
-                                 mcfg.moe_lowrank_dim)
-        base_s = sims[main][plat.name]["ladder"]["on_demand_lru"]["total_s"]
-        confidence_sweep[plat.name] = {
-            rung: {str(th): base_s / simulate(trace, RUNGS[rung][0], costs, capacity, RUNGS[rung][1],
-                                              min_confidence=th).total_s for th in CONFIDENCE_GRID}
-            for rung in ("next_gate", "m2r2")}
 
     # speedup as a function of rho (vary the link; compute fixed at the first platform's device)
     rho_sweep = {}
@@ -258,8 +253,7 @@ def moe_report(base_cfg, base_params, mcfg, m2r2_params, prompts_tokens: Sequenc
         "m2r2": {"config": mcfg.to_dict(), "fresh_untrained_params": bool(fresh_m2r2),
                  "visited_layers": list(visited),
                  "sources": [list(x) for x in sources], "default_sources": [list(x) for x in default_sources],
-                 "sources_calibrated_on_tokens": (sum(len(x) for x in (calibration if calibration is not None
-                                                                        else prompts_tokens)) if calibrate_m2r2 else 0),
+                 "sources_calibrated_on_tokens": sum(map(len, calibration)) if calibrate_m2r2 else 0,
                  "source_recall_on_calibration": ({str(l): {f"{kind}:{i}": r for (kind, i), r in tab.items()}
                                                    for l, tab in source_recall.items()} if source_recall else None),
                  "draft_cost_layers": float(draft_cost_layers(base_cfg, mcfg))},

@@ -9,10 +9,10 @@ Model (per decoded token, ops in schedule order; see `trace.py` for the op keys)
   come first served), and a queued prefetch whose slot is reused before it starts is cancelled.
 * Before each op, the predictor's guesses whose issue key is that op are prefetched (top
   `prefetch_k` experts; victims chosen by the layer's `SlotTable` policy, the layer's guess
-  protected). With `min_confidence` only guesses at least that confident are
-  fetched (`guess_confidence`); a guessed expert already resident still counts as a use. Joined
-  predictors ("m2r2+next_gate") each issue their own guess at their own op. A demand for an expert that is neither resident nor in flight is a miss: it is
-  issued at the demand time and blocks.
+  protected). With `min_confidence` only guesses at least that confident are fetched
+  (`guess_confidence`); a guessed expert already resident still counts as a use. Joined predictors
+  ("m2r2+next_gate") each issue their own guess at their own op. A demand for an expert that is
+  neither resident nor in flight is a miss: it is issued at the demand time and blocks.
 * Predictors that run the fast stream pay its ops (K fast attention sub-blocks + their MLPs). With
   moe_fast_mlp == "experts" the fast MLP at step i demands its own top-k at layer j_i: those loads
   block the fast pass and are the prefetch (charged in bytes and time).
