@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import textwrap
 from pathlib import Path
 
 import nbformat
@@ -99,6 +100,21 @@ SOURCE_PARAM = '''
 # folder holding a checkout (e.g. "/content/drive/MyDrive/m2r2_jax"). Ignored when importable.
 M2R2_SOURCE = ""
 '''
+
+
+def pretrain_code(config: str, indent: str = "") -> str:
+    """The notebook lines that pre-train configs/models/<config>.py on the embedded corpus and point
+    BASE_DIR at the result (`indent`: to sit inside a block)."""
+    return textwrap.indent(f'''
+cfg = load_config_file(CONFIG_DIR / "models" / "{config}.py")
+cfg.model.update(MODEL_OVERRIDES)
+cfg.train.update(dict(steps=PRETRAIN_STEPS, batch_size=BATCH_SIZE, warmup_steps=max(1, PRETRAIN_STEPS // 10),
+                      checkpoint_every=max(10, PRETRAIN_STEPS // 2)))
+cfg.data.update({{"seq_len": SEQ_LEN, **DATA_OVERRIDES}})
+summary = pretrain(cfg, OUT / "pretrain")
+print({{k: summary.get(k) for k in ("step", "first_loss", "last_loss", "heldout_loss", "heldout_accuracy")}})
+BASE_DIR = OUT / "pretrain" / "model"
+''', indent)
 
 
 def distill_code(config: str) -> str:
@@ -210,16 +226,7 @@ if HF_CHECKPOINT:
     BASE_DIR = OUT / "base"
     if not (BASE_DIR / "model_config.json").is_file():
         convert_hf(HF_CHECKPOINT, BASE_DIR, dtype=HF_DTYPE or None)
-else:
-    cfg = load_config_file(CONFIG_DIR / "models" / "tiny_dense.py")
-    cfg.model.update(MODEL_OVERRIDES)
-    cfg.train.update(dict(steps=PRETRAIN_STEPS, batch_size=BATCH_SIZE, warmup_steps=max(1, PRETRAIN_STEPS // 10),
-                          checkpoint_every=max(10, PRETRAIN_STEPS // 2)))
-    cfg.data.update({"seq_len": SEQ_LEN, **DATA_OVERRIDES})
-    summary = pretrain(cfg, OUT / "pretrain")
-    print({k: summary.get(k) for k in ("step", "first_loss", "last_loss", "heldout_loss", "heldout_accuracy")})
-    BASE_DIR = OUT / "pretrain" / "model"
-
+else:''' + pretrain_code("tiny_dense", "    ") + '''
 base_cfg, base_params = load_model(BASE_DIR)
 tok = load_tokenizer(tokenizer_path(BASE_DIR))
 print(f"{base_cfg.family}: {base_cfg.n_layers} layers, d_model {base_cfg.d_model}, vocabulary {base_cfg.vocab_size}")
@@ -386,16 +393,7 @@ OUT = Path(WORKDIR).absolute()
 OUT.mkdir(parents=True, exist_ok=True)
 '''),
         md("## 1. The tiny MoE base and its M2R2 parameters"),
-        code('''
-cfg = load_config_file(CONFIG_DIR / "models" / "tiny_moe.py")
-cfg.model.update(MODEL_OVERRIDES)
-cfg.train.update(dict(steps=PRETRAIN_STEPS, batch_size=BATCH_SIZE, warmup_steps=max(1, PRETRAIN_STEPS // 10),
-                      checkpoint_every=max(10, PRETRAIN_STEPS // 2)))
-cfg.data.update({"seq_len": SEQ_LEN, **DATA_OVERRIDES})
-summary = pretrain(cfg, OUT / "pretrain")
-BASE_DIR = OUT / "pretrain" / "model"
-print({k: summary.get(k) for k in ("step", "first_loss", "last_loss", "heldout_loss")})
-''' + distill_code("tiny_moe") + '''
+        code(pretrain_code("tiny_moe") + distill_code("tiny_moe") + '''
 base_cfg, base_params = load_model(BASE_DIR)
 mcfg, m2r2_params = load_m2r2(OUT / "distill" / "m2r2", base_cfg, params_fingerprint(base_cfg, base_params))
 tok = load_tokenizer(tokenizer_path(BASE_DIR))
