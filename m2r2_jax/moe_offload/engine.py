@@ -13,7 +13,9 @@
   weights of the slots it needs (padded to a fixed count so it compiles once).
 * Predictors (see `predictors.py`) issue prefetches: next_gate after each layer, oracle at the start
   of a token (from a previous pass's recorded routing), m2r2 after the fast pass, which the engine
-  runs at the start of the token (layers before the branch point use next_gate).
+  runs at the start of the token (layers before the branch point use next_gate). With
+  `min_confidence` only confident guesses are fetched (`predictors.guess_confidence`), as in the
+  simulator.
 
 The m2r2 predictor's fast pass (`fast_forward`) runs with a device copy of the base weights,
 including the experts of the layers it visits: this engine measures the prediction and overlap
@@ -38,7 +40,8 @@ from m2r2_jax.m2r2 import fast_stream as F
 from m2r2_jax.models import transformer as T
 from m2r2_jax.models.layers import MLP, DecoderLayer, attend, attention_mask, dtype_of, rms_norm, route
 from m2r2_jax.moe_offload.policies import FUTURE_POLICIES, POLICIES, SlotTable, check_policy
-from m2r2_jax.moe_offload.predictors import check_predictor, cross_router_logits, m2r2_state_plan
+from m2r2_jax.moe_offload.predictors import (check_min_confidence, check_predictor, cross_router_logits, guess_confidence, m2r2_state_plan,
+                                             ranking, router_probs)
 
 EXPERT_KEYS = ("experts_gate", "experts_up", "experts_down")
 
@@ -149,26 +152,24 @@ def _head(cfg, params, x):
 
 
 @functools.partial(jax.jit, static_argnums=(0,))
-def _router_rank(cfg, scale, kernel, h):
-    """Experts ranked by one layer's router on state h [B, T, d] (last position, batch 0)."""
+def _router_logits(cfg, scale, kernel, h):
+    """[E] one layer's router logits on state h [B, T, d] (last position, batch 0)."""
     logits = rms_norm(h[:, -1], scale, cfg.rms_eps) @ kernel.astype(h.dtype)
-    return jnp.argsort(-logits[0].astype(jnp.float32))
+    return logits[0].astype(jnp.float32)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=(6,))
 def _fast_pass(base_cfg, mcfg, base_params, m2r2_params, tokens, positions, cache):
-    """The fast pass of one token: each visited layer's expert ranking from the fast stream's own
+    """The fast pass of one token: each visited layer's router logits from the fast stream's own
     router, and the fast states (for the layers the stream skips)."""
     fo = F.fast_forward(base_cfg, mcfg, base_params, m2r2_params, tokens, positions, cache, collect=True)
     states = fo.states[:, :, -1]  # [K, B, d]: g_1 .. g_K
-    own = jnp.argsort(-fo.moe_router_logits[:, 0, -1].astype(jnp.float32), axis=-1)  # [K, E]
-    return own, states, fo.cache
+    return fo.moe_router_logits[:, 0, -1].astype(jnp.float32), states, fo.cache  # own: [K, E]
 
 
 @functools.partial(jax.jit, static_argnums=(0,))
-def _cross_rank(cfg, params, states):
-    logits = cross_router_logits(cfg, params, states)[:, :, 0]  # [L, M, E]
-    return jnp.argsort(-logits, axis=-1)
+def _cross_logits(cfg, params, states):
+    return cross_router_logits(cfg, params, states)[:, :, 0]  # [L, M, E]
 
 
 # --------------------------------------------------------------------------------------------
@@ -177,7 +178,8 @@ def _cross_rank(cfg, params, states):
 class OffloadEngine:
     def __init__(self, base_cfg, base_params, *, capacity: Optional[int] = None, policy: str = "lru",
                  predictor: str = "none", mcfg=None, m2r2_params=None, prefetch_k: Optional[int] = None,
-                 device=None, host_memory_kind: str = "pinned_host", m2r2_sources=None):
+                 device=None, host_memory_kind: str = "pinned_host", m2r2_sources=None,
+                 min_confidence: float = 0.0):
         if not base_cfg.is_moe:
             raise ConfigError(f"moe offload needs a MoE base model; family {base_cfg.family!r} has n_experts=0")
         self.cfg = base_cfg
@@ -199,6 +201,7 @@ class OffloadEngine:
                                                 F.visited_layers(base_cfg, mcfg), m2r2_sources)
         self.mcfg, self.m2r2_params = mcfg, m2r2_params
         self.prefetch_k = self.k if prefetch_k is None else int(prefetch_k)
+        self.min_confidence = check_min_confidence(min_confidence)
         self.device = device or jax.devices()[0]
         self.store = ExpertStore(base_cfg, base_params, self.device, host_memory_kind)
         self.on_device = jax.sharding.SingleDeviceSharding(self.device, memory_kind="device")
@@ -245,7 +248,9 @@ class OffloadEngine:
         self.stats.bytes_moved += self.store.expert_bytes
         return s
 
-    def prefetch(self, layer: int, experts: Sequence[int]) -> None:
+    def prefetch(self, layer: int, experts: Sequence[int], confidence=None) -> None:
+        """Bring the guessed `experts` (best first) in ahead of their demand; with `min_confidence`,
+        only those whose `confidence[e]` reaches it (a guessed expert already resident counts as a use)."""
         guess = [int(e) for e in experts[: self.prefetch_k]]
         tab = self.tables[layer]
         tab.set_prediction(guess)
@@ -253,8 +258,16 @@ class OffloadEngine:
             s = tab.slot_of(e)
             if s is not None:
                 tab.touch(s)
+            elif confidence is not None and confidence[e] < self.min_confidence:
+                continue
             elif self._load(layer, e, guess) is not None:
                 self.stats.prefetches += 1
+
+    def prefetch_from_logits(self, layer: int, logits) -> None:
+        """Prefetch the top guesses of router `logits` [E] (confidence-gated if `min_confidence`)."""
+        order = ranking(logits)
+        conf = guess_confidence(router_probs(logits), order, self.k) if self.min_confidence > 0 else None
+        self.prefetch(layer, order, conf)
 
     def _demand(self, layer: int, experts: Sequence[int]) -> list:
         """Make `experts` resident; block until their weights are on device. Returns their slots."""
@@ -304,9 +317,9 @@ class OffloadEngine:
         """Layer `layer`'s router on its input h (the previous layer's output): prefetch."""
         lp = self.layer_params[layer]
         t0 = time.perf_counter()
-        order = np.asarray(_router_rank(self.cfg, lp["mlp_norm"]["scale"], lp["mlp"]["router"]["kernel"], h))
+        logits = np.asarray(_router_logits(self.cfg, lp["mlp_norm"]["scale"], lp["mlp"]["router"]["kernel"], h))
         self.stats.predict_s += time.perf_counter() - t0
-        self.prefetch(layer, order)
+        self.prefetch_from_logits(layer, logits)
 
     # -- one token ----------------------------------------------------------------------------
     def step(self, tokens, positions, cache, oracle_route=None):
@@ -324,14 +337,14 @@ class OffloadEngine:
             plan = self.m2r2_plan
             cross = None
             if any(kind == "state" and s >= 1 for kind, s in plan):
-                cross = np.asarray(_cross_rank(cfg, self.dense, states))  # [L, K, E] (fast states g_1..g_K)
+                cross = np.asarray(_cross_logits(cfg, self.dense, states))  # [L, K, E] (fast states g_1..g_K)
             own = np.asarray(own)
             self.stats.predict_s += time.perf_counter() - t0
             for l, (kind, s) in enumerate(plan):
                 if kind == "fast":
-                    self.prefetch(l, own[s])
+                    self.prefetch_from_logits(l, own[s])
                 elif kind == "state" and s >= 1:
-                    self.prefetch(l, cross[l, s - 1])
+                    self.prefetch_from_logits(l, cross[l, s - 1])
                 elif kind == "state":  # g_0 = h_b: the slow input of layer b, known after layer b-1
                     guesses_after.setdefault(b, []).append(l)
         x = _embed(cfg, self.dense, tokens)

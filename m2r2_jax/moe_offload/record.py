@@ -24,7 +24,7 @@ import numpy as np
 from m2r2_jax.errors import ConfigError, DataError
 from m2r2_jax.m2r2 import fast_stream as F
 from m2r2_jax.models import transformer as T
-from m2r2_jax.moe_offload.predictors import cross_router_logits, m2r2_state_plan, ranking
+from m2r2_jax.moe_offload.predictors import cross_router_logits, m2r2_state_plan, ranking, router_probs
 from m2r2_jax.moe_offload.trace import RoutingTrace, next_gate_issue
 
 
@@ -149,8 +149,7 @@ def _add_guess(rank_rows: list, prob_rows: list, logits: np.ndarray) -> None:
     guessed = np.isfinite(logits).all(axis=-1)
     safe = np.where(guessed[:, None], logits, 0.0)
     rank_rows.append(np.where(guessed[:, None], ranking(safe), -1))
-    z = np.exp(safe - safe.max(axis=-1, keepdims=True))
-    prob_rows.append(np.where(guessed[:, None], z / z.sum(axis=-1, keepdims=True), 0.0).astype(np.float32))
+    prob_rows.append(np.where(guessed[:, None], router_probs(safe), 0.0).astype(np.float32))
 
 
 def oracle_probs(true: np.ndarray, n_experts: int) -> np.ndarray:

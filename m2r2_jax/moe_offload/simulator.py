@@ -36,6 +36,7 @@ import numpy as np
 from m2r2_jax.errors import ConfigError
 from m2r2_jax.moe_offload.platforms import CostModel
 from m2r2_jax.moe_offload.policies import SlotTable, check_policy
+from m2r2_jax.moe_offload.predictors import check_min_confidence, guess_confidence
 from m2r2_jax.moe_offload.trace import RoutingTrace
 
 
@@ -96,17 +97,6 @@ def next_use_table(trace: RoutingTrace) -> np.ndarray:
         nxt = np.where(member[n], float(n), nxt)
         out[n] = nxt
     return out
-
-
-def guess_confidence(probs: np.ndarray, ranking: np.ndarray, top_k: int) -> np.ndarray:
-    """[E] how sure a guess is that each expert is among the top-k: its router probability over that
-    of the best expert left out of the guess (rank k+1). The raw probability is a poor signal for a
-    load-balanced router, whose probabilities sit near 1/E; the margin over the first expert left out
-    is what decides membership (measured on the demo's trace: guesses with a ratio >= 1.25 were
-    right 92-100% of the time, against 61-77% below 1.1). Certain guesses (the oracle) get inf."""
-    runner_up = float(probs[ranking[top_k]]) if top_k < len(ranking) and ranking[top_k] >= 0 else 0.0
-    with np.errstate(divide="ignore"):
-        return np.where(runner_up > 0, probs / max(runner_up, 1e-30), np.inf)
 
 
 def _op_time(key, costs: CostModel) -> float:
@@ -207,7 +197,7 @@ def simulate(
     for name in parts:
         if name not in trace.rankings:
             raise ConfigError(f"predictor {name!r} is not in the trace: it has {', '.join(trace.rankings)}")
-    gated = min_confidence > 0
+    gated = check_min_confidence(min_confidence) > 0
     if gated and parts and not all(name in (trace.probs or {}) for name in parts):
         raise ConfigError(f"confidence-gated prefetch needs the router probabilities of {predictor!r}; this trace "
                           "has none for it (record it again)")

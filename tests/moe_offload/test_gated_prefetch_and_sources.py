@@ -12,10 +12,10 @@ from test_simulator import COSTS, synthetic_trace
 from m2r2_jax.errors import ConfigError
 from m2r2_jax.m2r2 import fast_stream as F
 from m2r2_jax.moe_offload.engine import OffloadEngine
-from m2r2_jax.moe_offload.predictors import (_source_logits, choose_m2r2_sources, m2r2_state_plan,
-                                             source_candidates)
+from m2r2_jax.moe_offload.predictors import (_source_logits, choose_m2r2_sources, guess_confidence,
+                                             m2r2_state_plan, source_candidates)
 from m2r2_jax.moe_offload.record import oracle_probs, record_trace
-from m2r2_jax.moe_offload.simulator import check_bounds, guess_confidence, simulate
+from m2r2_jax.moe_offload.simulator import check_bounds, simulate
 
 CONTINUATIONS = ([4, 8, 15, 16, 23, 42, 1], [2, 7, 1, 8, 2, 8, 1])
 
@@ -168,3 +168,26 @@ def test_engine_with_chosen_sources_is_exact(moe):
                         m2r2_params=mp, m2r2_sources=sources)
     out, _ = eng.generate(list(PROMPTS[0]), NEW)
     assert out == list(refs[0]) and eng.stats.prefetches > 0
+
+
+@pytest.mark.parametrize("predictor", ["next_gate", "m2r2"])
+def test_gated_engine_is_exact_and_fetches_less(moe, predictor):
+    cfg, params, mcfg, mp, refs = moe
+    fetched = {}
+    for gate in (0.0, 1.3, np.inf):
+        eng = OffloadEngine(cfg, params, capacity=2, policy="predictive", predictor=predictor, mcfg=mcfg,
+                            m2r2_params=mp, min_confidence=gate)
+        out, _ = eng.generate(list(PROMPTS[0]), NEW)
+        assert out == list(refs[0])
+        fetched[gate] = eng.stats.prefetches
+        assert eng.stats.transfers == eng.stats.prefetches + eng.stats.demand_misses
+    assert fetched[np.inf] == 0 and fetched[0.0] > 0
+
+
+def test_bad_gate_is_a_one_line_error(moe):
+    cfg, params, mcfg, mp, _ = moe
+    for bad in (-1.0, float("nan")):
+        with pytest.raises(ConfigError, match="min_confidence"):
+            OffloadEngine(cfg, params, capacity=2, predictor="next_gate", min_confidence=bad)
+        with pytest.raises(ConfigError, match="min_confidence"):
+            simulate(synthetic_trace(np.random.default_rng(0), 3, 2, 4, 2), "none", COSTS, 2, min_confidence=bad)
