@@ -10,7 +10,9 @@ Writes DIR/moe_report.json and PNG plots. Without --m2r2 the M2R2 parameters are
 and the report says so. `--forced_prompt_len N` records the trace teacher-forced on each prompt
 row's tokens after the first N (the real engine still decodes greedily). The m2r2 predictor's
 source per layer is chosen on `--calibration FILE` (default: the prompts' own tokens, which are
-prefill and never traced); `--nocalibrate_m2r2` keeps the built-in sources.
+prefill and never traced); `--nocalibrate_m2r2` keeps the built-in sources. The fast pass then runs
+only the steps those sources need; `--m2r2_recall_tolerance T` lets the choice drop more steps while
+calibration recall stays within T of the best.
 """
 
 from __future__ import annotations
@@ -44,6 +46,9 @@ flags.DEFINE_integer("forced_prompt_len", 0,
 flags.DEFINE_bool("calibrate_m2r2", True, "choose the m2r2 predictor's source per layer on calibration text")
 flags.DEFINE_string("calibration", None, "prompt file whose texts choose the m2r2 predictor's sources "
                     "(default: the prompts' own tokens); keep it apart from the traced text")
+flags.DEFINE_float("m2r2_recall_tolerance", 0.0, "the m2r2 predictor runs the fewest fast steps whose sources recall "
+                   "within this of the best on the calibration text (0: drop only steps that add no recall)",
+                   lower_bound=0.0, upper_bound=0.99)
 flags.mark_flags_as_required(["checkpoint", "prompts", "out"])
 FLAGS = flags.FLAGS
 
@@ -118,7 +123,8 @@ def main(argv):
     report = moe_report(cfg, params, mcfg, m2r2_params, prompts, max_new_tokens=FLAGS.max_new_tokens,
                         capacity=FLAGS.capacity or None, shapes=FLAGS.shapes, platforms=FLAGS.platforms,
                         run_real_engine=FLAGS.engine, fresh_m2r2=fresh, continuations=continuations,
-                        calibration=calibration, calibrate_m2r2=FLAGS.calibrate_m2r2)
+                        calibration=calibration, calibrate_m2r2=FLAGS.calibrate_m2r2,
+                        m2r2_recall_tolerance=FLAGS.m2r2_recall_tolerance)
     report["inputs"] = {"checkpoint": str(FLAGS.checkpoint), "m2r2": FLAGS.m2r2, "prompts": str(FLAGS.prompts),
                         "forced_prompt_len": FLAGS.forced_prompt_len, "calibration": FLAGS.calibration}
     out = Path(FLAGS.out)

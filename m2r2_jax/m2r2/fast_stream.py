@@ -236,12 +236,14 @@ def fast_step(base: ModelConfig, mcfg: M2R2Config, base_params, m2r2_params, i, 
 # --------------------------------------------------------------------------------------------
 # Whole fast passes
 # --------------------------------------------------------------------------------------------
-def _run_steps(base, mcfg, base_params, m2r2_params, g, positions, cache, train: bool, collect_states: bool):
-    """lax.scan over the K fast steps. Returns (g_K, cache, states or None, z [K,B,T,dim],
-    moe router logits or None, g_{K-1})."""
-    visited = jnp.asarray(visited_layers(base, mcfg))
-    steps = jnp.arange(mcfg.steps(base))
-    sps = _step_params(m2r2_params, slice(None))
+def _run_steps(base, mcfg, base_params, m2r2_params, g, positions, cache, train: bool, collect_states: bool,
+               n_steps: Optional[int] = None):
+    """lax.scan over the K fast steps (or the first `n_steps` of them, >= 1). Returns (g_n, cache,
+    states or None, z [n,B,T,dim], moe router logits or None, g_{n-1})."""
+    n = mcfg.steps(base) if n_steps is None else int(n_steps)
+    visited = jnp.asarray(visited_layers(base, mcfg)[:n])
+    steps = jnp.arange(n)
+    sps = _step_params(m2r2_params, slice(0, n))
 
     def body(carry, xs):
         g, c = carry
@@ -268,6 +270,19 @@ def fast_forward(base: ModelConfig, mcfg: M2R2Config, base_params, m2r2_params, 
         return FastOutput(logits, cache, exit_logits, moe_router_logits=rl)
     step_logits, exit_logits = _per_step_heads(base, mcfg, base_params, m2r2_params, g0, states, z)
     return FastOutput(logits, cache, exit_logits, step_logits, states, rl)
+
+
+def fast_prefix(base: ModelConfig, mcfg: M2R2Config, base_params, m2r2_params, tokens, positions, cache,
+                n_steps: int):
+    """The first `n_steps` (1..K) steps of a decode-mode fast pass, for callers that need only the
+    early fast states (expert prediction stops where its last source is). Returns (states g_1..g_n
+    [n, B, T, d], MoE router logits [n, B, T, E] or None, cache)."""
+    if not 1 <= n_steps <= mcfg.steps(base):
+        raise ValueError(f"n_steps={n_steps} is outside 1..{mcfg.steps(base)}")
+    g0, cache = branch(base, mcfg, base_params, tokens, positions, cache)
+    _, cache, states, _, rl, _ = _run_steps(base, mcfg, base_params, m2r2_params, g0, positions, cache, False, True,
+                                            n_steps)
+    return states, rl, cache
 
 
 def _per_step_heads(base, mcfg, base_params, m2r2_params, g0, states, z):

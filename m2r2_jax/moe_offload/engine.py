@@ -13,7 +13,8 @@
   weights of the slots it needs (padded to a fixed count so it compiles once).
 * Predictors (see `predictors.py`) issue prefetches: next_gate after each layer, oracle at the start
   of a token (from a previous pass's recorded routing), m2r2 after the fast pass, which the engine
-  runs at the start of the token (layers before the branch point use next_gate). With
+  runs at the start of the token, up to the last step its sources need (layers before the branch
+  point use next_gate). With
   `min_confidence` only confident guesses are fetched (`predictors.guess_confidence`), as in the
   simulator.
 
@@ -40,8 +41,9 @@ from m2r2_jax.m2r2 import fast_stream as F
 from m2r2_jax.models import transformer as T
 from m2r2_jax.models.layers import MLP, DecoderLayer, attend, attention_mask, dtype_of, rms_norm, route
 from m2r2_jax.moe_offload.policies import FUTURE_POLICIES, POLICIES, SlotTable, check_policy
-from m2r2_jax.moe_offload.predictors import (check_min_confidence, check_predictor, cross_router_logits, guess_confidence, m2r2_state_plan,
-                                             ranking, router_probs)
+from m2r2_jax.moe_offload.predictors import (check_min_confidence, check_predictor, cross_router_logits,
+                                             fast_steps_needed, guess_confidence, m2r2_state_plan, ranking,
+                                             router_probs)
 
 EXPERT_KEYS = ("experts_gate", "experts_up", "experts_down")
 
@@ -158,13 +160,13 @@ def _router_logits(cfg, scale, kernel, h):
     return logits[0].astype(jnp.float32)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=(6,))
-def _fast_pass(base_cfg, mcfg, base_params, m2r2_params, tokens, positions, cache):
-    """The fast pass of one token: each visited layer's router logits from the fast stream's own
-    router, and the fast states (for the layers the stream skips)."""
-    fo = F.fast_forward(base_cfg, mcfg, base_params, m2r2_params, tokens, positions, cache, collect=True)
-    states = fo.states[:, :, -1]  # [K, B, d]: g_1 .. g_K
-    return fo.moe_router_logits[:, 0, -1].astype(jnp.float32), states, fo.cache  # own: [K, E]
+@functools.partial(jax.jit, static_argnums=(0, 1, 7), donate_argnums=(6,))
+def _fast_pass(base_cfg, mcfg, base_params, m2r2_params, tokens, positions, cache, n_steps: int):
+    """The fast pass of one token, its first `n_steps` steps (the ones the predictor's sources
+    need): each visited layer's router logits from the fast stream's own router, and the fast
+    states (for the layers the stream skips)."""
+    states, own, cache = F.fast_prefix(base_cfg, mcfg, base_params, m2r2_params, tokens, positions, cache, n_steps)
+    return own[:, 0, -1].astype(jnp.float32), states[:, :, -1], cache  # own [n, E]; g_1 .. g_n [n, B, d]
 
 
 @functools.partial(jax.jit, static_argnums=(0,))
@@ -199,6 +201,7 @@ class OffloadEngine:
             mcfg.validate(base_cfg)
             self.m2r2_plan, _ = m2r2_state_plan(base_cfg.n_layers, mcfg.branch_layer,
                                                 F.visited_layers(base_cfg, mcfg), m2r2_sources)
+            self.fast_steps = fast_steps_needed(self.m2r2_plan)
         self.mcfg, self.m2r2_params = mcfg, m2r2_params
         self.prefetch_k = self.k if prefetch_k is None else int(prefetch_k)
         self.min_confidence = check_min_confidence(min_confidence)
@@ -332,13 +335,15 @@ class OffloadEngine:
                 self.prefetch(l, oracle_route[l])
         if self.predictor == "m2r2" and tokens.shape[1] == 1:
             t0 = time.perf_counter()
-            own, states, cache = _fast_pass(cfg, self.mcfg, self.fast_params, self.m2r2_params, tokens, positions, cache)
             b = self.mcfg.branch_layer
             plan = self.m2r2_plan
-            cross = None
-            if any(kind == "state" and s >= 1 for kind, s in plan):
-                cross = np.asarray(_cross_logits(cfg, self.dense, states))  # [L, K, E] (fast states g_1..g_K)
-            own = np.asarray(own)
+            own = cross = None
+            if self.fast_steps > 0:
+                own, states, cache = _fast_pass(cfg, self.mcfg, self.fast_params, self.m2r2_params, tokens, positions,
+                                                cache, self.fast_steps)
+                own = np.asarray(own)
+                if any(kind == "state" and s >= 1 for kind, s in plan):
+                    cross = np.asarray(_cross_logits(cfg, self.dense, states))  # [L, n, E] (g_1..g_n)
             self.stats.predict_s += time.perf_counter() - t0
             for l, (kind, s) in enumerate(plan):
                 if kind == "fast":

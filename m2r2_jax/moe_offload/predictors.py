@@ -89,9 +89,9 @@ def m2r2_state_plan(n_layers: int, branch_layer: int, visited: tuple, sources=No
     Default sources: a visited layer uses its step's own router; a skipped layer uses the last fast
     state whose target is at or before it. `sources` (one per layer, e.g. from
     `choose_m2r2_sources`) replaces that choice; every fast state exists by the end of the fast
-    pass, so any source keeps the lead of the fast stream."""
+    pass, so any source keeps the lead of the fast stream. The pass stops after the last step the
+    sources need (`fast_steps_needed`); a state that step produces is issued when the pass ends."""
     targets = [branch_layer] + [j + 1 for j in visited]  # input index each fast state approximates
-    k = len(visited)
     if sources is None:
         sources = []
         for l in range(n_layers):
@@ -103,6 +103,7 @@ def m2r2_state_plan(n_layers: int, branch_layer: int, visited: tuple, sources=No
                 sources.append(("state", max(i for i, t in enumerate(targets) if t <= l)))
     plan = tuple((str(kind), None if i is None else int(i)) for kind, i in sources)
     check_m2r2_sources(plan, n_layers, branch_layer, visited)
+    depth = fast_steps_needed(plan)  # the fast pass stops after the last step a source needs
     ng_issue = next_gate_issue(n_layers, 1)
     issue = []
     for l, (kind, i) in enumerate(plan):
@@ -111,8 +112,21 @@ def m2r2_state_plan(n_layers: int, branch_layer: int, visited: tuple, sources=No
         elif kind == "fast":
             issue.append(("fast_mlp", i))
         else:  # state i exists once step i-1 is done (g_0 before the first step)
-            issue.append(("fast_attn", i) if i < k else ("attn", branch_layer))
+            issue.append(("fast_attn", i) if i < depth else ("attn", branch_layer))
     return plan, issue
+
+
+def source_steps(source) -> int:
+    """Fast steps that must run before a source exists: ("fast", i) is read inside step i, so steps
+    0..i; ("state", s) is g_s, the output of steps 0..s-1 (g_0 = h_b needs none)."""
+    kind, i = source
+    return i + 1 if kind == "fast" else i if kind == "state" else 0
+
+
+def fast_steps_needed(plan) -> int:
+    """How many fast steps the m2r2 predictor runs per token for `plan`: up to the last step any of
+    its sources needs. Steps after that would only cost compute."""
+    return max((source_steps(src) for src in plan), default=0)
 
 
 def check_m2r2_sources(plan, n_layers: int, branch_layer: int, visited: tuple) -> None:
@@ -140,20 +154,24 @@ def source_candidates(n_layers: int, branch_layer: int, visited: tuple) -> list:
     return out
 
 
-def choose_m2r2_sources(base_cfg, base_params, mcfg, m2r2_params, sequences) -> tuple:
+def choose_m2r2_sources(base_cfg, base_params, mcfg, m2r2_params, sequences, recall_tolerance: float = 0.0) -> tuple:
     """Pick, per layer, the source whose top-k guess recalls the most of the true routing on
     `sequences` (token lists, teacher-forced in one pass of `train_forward`, whose fast steps see
     what they see when decoding). Layer l's router often reads a fast state other than the one
     aimed at layer l better (a skipped layer may route like a visited one). Returns (sources,
-    {layer: {source: recall}}); ties keep the default source. Use text apart from any trace being
-    scored, or the choice is fitted to it."""
+    {layer: {source: recall}}); ties keep the default source, then the source needing fewer steps.
+    The fast pass runs only the steps the chosen sources need (`fast_steps_needed`): the choice is
+    the shortest pass whose mean recall after the branch is within `recall_tolerance` of the best
+    (0: only steps that add no recall are dropped). Use text apart from any trace being scored, or
+    the choice is fitted to it."""
 
+    if not 0.0 <= recall_tolerance < 1.0:
+        raise ConfigError(f"recall_tolerance={recall_tolerance} is invalid: expected a number in [0, 1)")
     rows = [list(map(int, s)) for s in sequences if len(s) > 0]
     if not rows:
         raise ConfigError("choosing the m2r2 predictor's sources needs at least one non-empty sequence")
     L, k = base_cfg.n_layers, base_cfg.n_experts_per_tok
     b, visited = mcfg.branch_layer, tuple(visited_layers(base_cfg, mcfg))
-    default, _ = m2r2_state_plan(L, b, visited)
     hits = [{} for _ in range(L)]  # per layer: source -> (experts recalled, experts routed)
     for length in sorted({len(r) for r in rows}):  # one compile per distinct length
         batch = jnp.asarray([r for r in rows if len(r) == length], jnp.int32)
@@ -168,9 +186,29 @@ def choose_m2r2_sources(base_cfg, base_params, mcfg, m2r2_params, sequences) -> 
                 h, n = hits[l].get((kind, i), (0, 0))
                 hits[l][(kind, i)] = (h + got, n + true[l].size)
     recall = {l: {src: h / n for src, (h, n) in hits[l].items()} for l in range(L)}
-    sources = tuple(max(recall[l], key=lambda src: (recall[l][src], src == default[l])) if recall[l] else default[l]
-                    for l in range(L))
+    by_steps = sources_by_fast_steps(recall, L, b, visited)
+    best = by_steps[-1][1]
+    sources = next(src for src, mean in by_steps if mean >= best - recall_tolerance - 1e-12)
     return sources, recall
+
+
+def sources_by_fast_steps(recall: dict, n_layers: int, branch_layer: int, visited: tuple) -> list:
+    """[(sources, mean recall after the branch)] for a fast pass of 0, 1, ..., K steps: each layer's
+    best source among those that exist after that many steps (`recall`: {layer: {source: recall}},
+    as `choose_m2r2_sources` returns it)."""
+    default, _ = m2r2_state_plan(n_layers, branch_layer, visited)
+    out = []
+    for steps in range(len(visited) + 1):
+        chosen = []
+        for l in range(n_layers):
+            table = {src: r for src, r in recall.get(l, {}).items() if source_steps(src) <= steps}
+            if not table:  # before the branch (next-gate), or no candidate scored
+                chosen.append(default[l] if source_steps(default[l]) <= steps else ("state", 0))
+                continue
+            chosen.append(max(table, key=lambda src: (table[src], src == default[l], -source_steps(src))))
+        after = [recall[l][chosen[l]] for l in range(branch_layer, n_layers) if chosen[l] in recall.get(l, {})]
+        out.append((tuple(chosen), float(np.mean(after)) if after else 0.0))
+    return out
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1))

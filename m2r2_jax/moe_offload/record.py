@@ -24,7 +24,8 @@ import numpy as np
 from m2r2_jax.errors import ConfigError, DataError
 from m2r2_jax.m2r2 import fast_stream as F
 from m2r2_jax.models import transformer as T
-from m2r2_jax.moe_offload.predictors import cross_router_logits, m2r2_state_plan, ranking, router_probs
+from m2r2_jax.moe_offload.predictors import (cross_router_logits, fast_steps_needed, m2r2_state_plan, ranking,
+                                             router_probs)
 from m2r2_jax.moe_offload.trace import RoutingTrace, next_gate_issue
 
 
@@ -134,7 +135,7 @@ def record_trace(base_cfg, base_params, mcfg, m2r2_params, prompts: Sequence[Seq
         issue[name] = next_gate_issue(L, a)
     trace = RoutingTrace(
         n_layers=L, n_experts=E, top_k=k, true=true, rankings=rankings, issue=issue,
-        uses_fast={"m2r2": True}, branch_layer=b, visited=tuple(visited), moe_fast_mlp=mcfg.moe_fast_mlp,
+        uses_fast={"m2r2": True}, fast_steps={"m2r2": fast_steps_needed(plan)}, branch_layer=b, visited=tuple(visited), moe_fast_mlp=mcfg.moe_fast_mlp,
         fast_routes=np.stack(rows["fast_routes"]), probs=trace_probs,
         notes={"m2r2_layers_before_branch": "next_gate (the fast stream branches at layer b)",
                "m2r2_sources": [list(src) for src in plan],

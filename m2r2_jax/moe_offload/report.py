@@ -20,7 +20,8 @@ from m2r2_jax.moe_offload import platforms as P
 from m2r2_jax.moe_offload.engine import OffloadEngine, memory_kinds
 from m2r2_jax.moe_offload.metrics import mean_recall, recall_by_lookahead, recall_per_layer
 from m2r2_jax.moe_offload.policies import FUTURE_POLICIES
-from m2r2_jax.moe_offload.predictors import choose_m2r2_sources, m2r2_state_plan
+from m2r2_jax.moe_offload.predictors import (choose_m2r2_sources, fast_steps_needed, m2r2_state_plan,
+                                             sources_by_fast_steps)
 from m2r2_jax.moe_offload.record import generate_reference, record_trace
 from m2r2_jax.moe_offload.simulator import simulate
 
@@ -168,13 +169,15 @@ def moe_report(base_cfg, base_params, mcfg, m2r2_params, prompts_tokens: Sequenc
                platforms: Sequence[str] = tuple(P.PLATFORMS), run_real_engine: bool = True,
                fresh_m2r2: bool = False, lookaheads: Sequence[int] = (1, 2, 3, 4),
                continuations: Optional[Sequence[Sequence[int]]] = None,
-               calibration: Optional[Sequence[Sequence[int]]] = None, calibrate_m2r2: bool = True) -> dict:
+               calibration: Optional[Sequence[Sequence[int]]] = None, calibrate_m2r2: bool = True,
+               m2r2_recall_tolerance: float = 0.0) -> dict:
     """Record routing from real greedy decoding, score the predictors, replay the trace through
     the cost model of named real models on named platforms, and run the real engine.
     `continuations` (one per prompt): record the trace teacher-forced on these tokens instead of
     the model's greedy output (the real engine still decodes greedily).
     `calibrate_m2r2`: choose the m2r2 predictor's source per layer (`choose_m2r2_sources`) on
-    `calibration` text, by default the prompts themselves (prefill tokens, never part of the trace).
+    `calibration` text, by default the prompts themselves (prefill tokens, never part of the trace),
+    with the shortest fast pass whose calibration recall is within `m2r2_recall_tolerance` of the best.
 
     Returns a dict with (at least) `recall`, `hit_rate` and `simulated_speedup` (per predictor,
     per platform, vs on-demand LRU with the cache at `capacity` = 2 x active experts)."""
@@ -194,7 +197,8 @@ def moe_report(base_cfg, base_params, mcfg, m2r2_params, prompts_tokens: Sequenc
     sources, source_recall = default_sources, None
     calibration = prompts_tokens if calibration is None else calibration
     if calibrate_m2r2:
-        sources, source_recall = choose_m2r2_sources(base_cfg, base_params, mcfg, m2r2_params, calibration)
+        sources, source_recall = choose_m2r2_sources(base_cfg, base_params, mcfg, m2r2_params, calibration,
+                                                     recall_tolerance=m2r2_recall_tolerance)
     trace, generated = record_trace(base_cfg, base_params, mcfg, m2r2_params, prompts_tokens, max_new_tokens, lookaheads,
                                     forced=continuations, m2r2_sources=sources)
     predictors = ("next_gate", "m2r2", "oracle")
@@ -256,6 +260,11 @@ def moe_report(base_cfg, base_params, mcfg, m2r2_params, prompts_tokens: Sequenc
                  "sources_calibrated_on_tokens": sum(map(len, calibration)) if calibrate_m2r2 else 0,
                  "source_recall_on_calibration": ({str(l): {f"{kind}:{i}": r for (kind, i), r in tab.items()}
                                                    for l, tab in source_recall.items()} if source_recall else None),
+                 "fast_steps": fast_steps_needed(sources), "fast_steps_max": len(visited),
+                 "recall_tolerance": float(m2r2_recall_tolerance) if calibrate_m2r2 else None,
+                 # calibration recall after the branch of the best sources for a pass of 0..K steps
+                 "recall_by_fast_steps": ([mean for _, mean in sources_by_fast_steps(
+                     source_recall, base_cfg.n_layers, mcfg.branch_layer, visited)] if source_recall else None),
                  "draft_cost_layers": float(draft_cost_layers(base_cfg, mcfg))},
         "trace": {"prompts": len(prompts_tokens), "decoded_tokens": trace.n_tokens,
                   "teacher_forced": continuations is not None,
@@ -282,8 +291,9 @@ def moe_report(base_cfg, base_params, mcfg, m2r2_params, prompts_tokens: Sequenc
                                "shape; the cache holds `capacity` experts per layer, capacity = 2 x top_k of "
                                "the benchmarked model unless set"),
             "ladder_policies": {r: RUNGS.get(r, ("none", "all resident")) for r in LADDER},
-            "fast_pass_cost": ("m2r2 pays K fast attention sub-blocks (attention x (1 + LoRA overhead)) plus the "
-                               f"fast MLP per step: moe_fast_mlp={mcfg.moe_fast_mlp!r} (experts: k experts and their "
+            "fast_pass_cost": ("m2r2 pays a fast attention sub-block (attention x (1 + LoRA overhead)) plus the "
+                               "fast MLP for each fast step it runs (m2r2.fast_steps of m2r2.fast_steps_max: "
+                               f"up to the last step its sources need): moe_fast_mlp={mcfg.moe_fast_mlp!r} (experts: k experts and their "
                                "loads; lowrank: a d x r adapter; none: nothing)"),
             "m2r2_before_branch": "layers before branch_layer use next_gate inside the m2r2 predictor",
             "confidence_sweep": ("speedup over on-demand LRU per platform when a predictor prefetches only the "

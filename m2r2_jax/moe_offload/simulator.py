@@ -13,7 +13,8 @@ Model (per decoded token, ops in schedule order; see `trace.py` for the op keys)
   (`guess_confidence`); a guessed expert already resident still counts as a use. Joined predictors
   ("m2r2+next_gate") each issue their own guess at their own op. A demand for an expert that is
   neither resident nor in flight is a miss: it is issued at the demand time and blocks.
-* Predictors that run the fast stream pay its ops (K fast attention sub-blocks + their MLPs). With
+* Predictors that run the fast stream pay its ops (a fast attention sub-block + its MLP per step
+  run: all K steps, or for m2r2 up to the last step its sources need, `trace.fast_steps`). With
   moe_fast_mlp == "experts" the fast MLP at step i demands its own top-k at layer j_i: those loads
   block the fast pass and are the prefetch (charged in bytes and time).
 * The makespan is max(end of the last op, end of the last transfer).
@@ -78,8 +79,8 @@ def token_schedule(trace: RoutingTrace, predictor: str) -> list:
     """Op keys of one token for `predictor` (the fast pass sits before slow layer b)."""
     ops = []
     for l in range(trace.n_layers):
-        if trace.uses_fast.get(predictor, False) and l == trace.branch_layer:
-            for i in range(len(trace.visited)):
+        if l == trace.branch_layer:
+            for i in range(trace.fast_steps_of(predictor)):
                 ops += [("fast_attn", i), ("fast_mlp", i)]
         ops += [("attn", l), ("moe", l)]
     return ops

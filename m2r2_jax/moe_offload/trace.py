@@ -45,6 +45,9 @@ class RoutingTrace:
     # predictor name -> [N, L, E] router probabilities behind each ranking (softmax of the logits the
     # predictor computed; 0 where it makes no guess). Optional: confidence-gated prefetch needs it.
     probs: Optional[dict] = None
+    # predictor name -> fast steps its schedule runs per token (default: all K for a predictor that
+    # uses the fast stream); the m2r2 predictor stops after the last step its sources need.
+    fast_steps: dict = dataclasses.field(default_factory=dict)
     notes: dict = dataclasses.field(default_factory=dict)
 
     @property
@@ -54,6 +57,12 @@ class RoutingTrace:
     @property
     def predictors(self) -> tuple:
         return tuple(self.rankings)
+
+    def fast_steps_of(self, name: str) -> int:
+        """Fast steps predictor `name` runs per token (0 if it does not use the fast stream)."""
+        if not self.uses_fast.get(name, False):
+            return 0
+        return int(self.fast_steps.get(name, len(self.visited)))
 
     def lead(self, name: str) -> np.ndarray:
         """[L] lead in layers of each layer's guess (-1 where the predictor makes none)."""
@@ -77,6 +86,12 @@ class RoutingTrace:
             if name not in self.rankings or p.shape != self.rankings[name].shape:
                 raise DataError(f"trace: probabilities of {name!r} must match its ranking's shape "
                                 f"{self.rankings.get(name, np.empty(0)).shape}, got {p.shape}")
+        for name, steps in self.fast_steps.items():
+            if not 0 <= int(steps) <= len(self.visited):
+                raise DataError(f"trace: {name!r} runs {steps} fast steps; the fast stream has {len(self.visited)}")
+            for key in self.issue.get(name, ()):
+                if key is not None and key[0] in ("fast_attn", "fast_mlp") and key[1] >= int(steps):
+                    raise DataError(f"trace: {name!r} issues a guess at {tuple(key)} but runs only {steps} fast steps")
         if self.fast_routes is not None and self.fast_routes.shape[:2] != (n, len(self.visited)):
             raise DataError(f"trace: fast_routes has shape {self.fast_routes.shape}, expected [N, {len(self.visited)}, k]")
         return self
