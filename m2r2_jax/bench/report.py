@@ -100,7 +100,7 @@ def table(report: dict) -> str:
             for rung, row in sp.items():
                 lines.append(f"  {rung:<18}" + "".join(f"{row[pl]:>13.2f}" for pl in plats))
             cs = moe.get("confidence_sweep", {})
-            for rung in ("next_gate", "m2r2"):
+            for rung in ("next_gate", "next_gate_lfu", "m2r2", "m2r2_lfu"):
                 if all(rung in cs.get(pl, {}) for pl in plats):
                     best = [max(cs[pl][rung].items(), key=lambda kv: kv[1]) for pl in plats]
                     lines.append(f"  {rung + ' gated':<18}" + "".join(f"{v:>8.2f} @{float(g):<3.2g}" for g, v in best))

@@ -4,7 +4,8 @@
   memory (memory kind `pinned_host` by default), so loading one expert never slices a stacked host
   array (that would block).
 * Each layer has `capacity` device slots (default 2 x experts per token), managed by a
-  `SlotTable` (policy "lru" or "predictive"; "belady" needs the future and is simulator-only).
+  `SlotTable` (policy "lru", "predictive", "lfu" or "predictive_lfu"; "belady" needs the future and
+  is simulator-only).
   Loading is `jax.device_put(host, device)`: dispatch returns at once and the copy runs
   asynchronously, overlapped with the compute that follows. A demand for an expert that is not
   resident is a miss: it is loaded and waited for (a stall).
@@ -275,6 +276,7 @@ class OffloadEngine:
     def _demand(self, layer: int, experts: Sequence[int]) -> list:
         """Make `experts` resident; block until their weights are on device. Returns their slots."""
         tab = self.tables[layer]
+        tab.count_uses(experts)
         slots, fresh = [], []
         for e in experts:
             s = tab.slot_of(e)

@@ -11,6 +11,13 @@ Policies (chosen by name):
               slot will do; among the rest, least recently used. A prefetch of a predicted expert
               therefore cannot push out another predicted one, and the prediction keeps useful
               experts resident across tokens.
+  lfu         evict the unprotected slot whose expert the slow stream has demanded least often at
+              this layer (counts survive eviction; ties: least recently used). A trained router's
+              load is skewed even with a balancing loss, so past demand frequency predicts the next
+              token's routing better than recency alone (measured on the demo's trace: 20% fewer
+              loads than LRU, against Belady's 32%). Counts never decay: text whose topic shifts
+              keeps its early favourites until the new ones overtake them.
+  predictive_lfu  predictive's protection of the predicted experts, then lfu's order.
   belady      Belady's MIN: evict the unprotected slot whose expert is next needed furthest in the
               future (never again = infinitely far; ties: least recently used). It needs the future
               routing (`set_next_use`), so only the trace-replay simulator can run it; as demand
@@ -25,7 +32,9 @@ from typing import Iterable, Optional
 
 from m2r2_jax.errors import ConfigError
 
-POLICIES = ("lru", "predictive", "belady")
+POLICIES = ("lru", "predictive", "lfu", "predictive_lfu", "belady")
+FREQUENCY_POLICIES = ("lfu", "predictive_lfu")  # evict by demand count
+PREDICTIVE_POLICIES = ("predictive", "predictive_lfu")  # protect the current prediction
 FUTURE_POLICIES = ("belady",)  # need the future routing: simulator only
 EMPTY = -1
 
@@ -48,6 +57,7 @@ class SlotTable:
         self.last_use = [-1.0] * capacity
         self.predicted: frozenset = frozenset()
         self.next_use = None  # belady: expert -> when it is next needed (inf: never)
+        self.uses: dict = {}  # lfu: expert -> how often the slow stream demanded it at this layer
         self._clock = 0
 
     # -- queries ---------------------------------------------------------------------------
@@ -67,6 +77,11 @@ class SlotTable:
 
     def touch(self, slot: int) -> None:
         self.last_use[slot] = self.tick()
+
+    def count_uses(self, experts: Iterable[int]) -> None:
+        """The slow stream demands `experts` now (lfu's counts; guesses and prefetches do not count)."""
+        for e in experts:
+            self.uses[int(e)] = self.uses.get(int(e), 0) + 1
 
     def set_prediction(self, experts: Iterable[int]) -> None:
         self.predicted = frozenset(int(e) for e in experts)
@@ -99,9 +114,11 @@ class SlotTable:
             if incoming is not None and self._next_use(self.expert[s]) <= self._next_use(incoming):
                 return None
             return s
-        if self.policy == "predictive":
+        if self.policy in PREDICTIVE_POLICIES:
             unpredicted = [s for s in candidates if self.expert[s] not in self.predicted]
             candidates = unpredicted or candidates
+        if self.policy in FREQUENCY_POLICIES:
+            return min(candidates, key=lambda s: (self.uses.get(self.expert[s], 0), self.last_use[s]))
         return min(candidates, key=lambda s: self.last_use[s])
 
     def install(self, slot: int, e: int) -> None:

@@ -245,6 +245,8 @@ def simulate(
         """Make `experts` resident at `layer`; return when the last one has arrived."""
         tab = tables[layer]
         need = [int(e) for e in experts]
+        if slow:
+            tab.count_uses(need)
         slots = []
         for e in need:
             s = tab.slot_of(e)

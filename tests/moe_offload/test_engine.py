@@ -37,7 +37,7 @@ def test_experts_live_in_pinned_host_memory(moe):
 
 @pytest.mark.parametrize("predictor,capacity,policy", [
     ("none", 2, "lru"), ("next_gate", 2, "predictive"), ("next_gate", 3, "lru"),
-    ("oracle", 3, "predictive"), ("none", 6, "lru"),
+    ("oracle", 3, "predictive"), ("none", 6, "lru"), ("none", 2, "lfu"), ("next_gate", 2, "predictive_lfu"),
 ])
 def test_engine_tokens_equal_all_resident_model(moe, predictor, capacity, policy):
     cfg, params, ref = moe

@@ -87,7 +87,8 @@ def test_oracle_with_free_link_never_stalls_and_lru_reuse_hits():
 
 @settings(max_examples=25, deadline=None)
 @given(seed=st.integers(0, 10_000), cap=st.integers(2, 6), bw=st.sampled_from([100.0, 1000.0, 1e5]),
-       pred=st.sampled_from(["none", "oracle", "next_gate", "m2r2"]), policy=st.sampled_from(["lru", "predictive"]),
+       pred=st.sampled_from(["none", "oracle", "next_gate", "m2r2"]),
+       policy=st.sampled_from(["lru", "predictive", "lfu", "predictive_lfu"]),
        priority=st.booleans())
 def test_overlap_bounds_hold_for_random_traces(seed, cap, bw, pred, policy, priority):
     tr = synthetic_trace(np.random.default_rng(seed), 6, 5, 8, 2)
@@ -146,6 +147,41 @@ def test_policies_choose_victims():
     p.set_prediction([5, 6])
     assert p.victim() == 2  # the only unpredicted expert, even though 5 is older
     assert p.victim(protect=[5, 6, 7]) is None
+
+
+def test_lfu_evicts_the_least_demanded_expert():
+    for policy in ("lfu", "predictive_lfu"):
+        t = SlotTable(3, policy)
+        for s, e in enumerate([5, 6, 7]):
+            t.install(s, e)
+        t.count_uses([5, 5, 6, 7, 7])  # 5 and 7 twice, 6 once
+        assert t.victim() == 1
+        t.count_uses([6, 6])
+        assert t.victim() == 0  # 5: tied with 7 on demands, and used less recently
+        t.touch(0)
+        assert t.victim() == 2
+        t.install(2, 9)  # 7 leaves; its count stays for when it comes back
+        assert t.uses[7] == 2 and t.victim() == 2  # 9 has never been demanded
+    p = SlotTable(3, "predictive_lfu")
+    for s, e in enumerate([5, 6, 7]):
+        p.install(s, e)
+    p.count_uses([5, 6, 6, 7, 7])
+    p.set_prediction([5])
+    assert p.victim() == 1  # 5 is the least demanded but predicted: the next least demanded goes
+    assert SlotTable(3, "lfu").victim(protect=[1]) == 0  # free slots first
+
+
+def test_lfu_keeps_the_popular_expert_that_lru_cycles_out():
+    # One layer, one expert per token, two slots: 0 is demanded every other token, between 1, 2, 3...
+    # LRU evicts 0 whenever two others came since; LFU keeps the expert demanded most.
+    seq = [0, 1, 0, 2, 3, 0, 4, 5, 0, 6, 7, 0]
+    true = np.array([[[e]] for e in seq])
+    tr = RoutingTrace(1, 8, 1, true, {}, {}, {}).validate()
+    lru = simulate(tr, "none", COSTS, capacity=2, policy="lru")
+    lfu = simulate(tr, "none", COSTS, capacity=2, policy="lfu")
+    assert lru.demand_hits == 1  # only 0 right after 1
+    assert lfu.demand_hits == 4 and lfu.transfers == len(seq) - 4
+    assert check_bounds(lfu, COSTS)
 
 
 def test_platform_costs_follow_the_stated_model():
@@ -220,7 +256,7 @@ def test_belady_never_loads_more_than_any_policy():
         assert bel.transfers == bel.demand_misses
         strictly_fewer += bel.demand_misses < lru.demand_misses
         for pred in ("oracle", "next_gate", "m2r2"):
-            for policy in ("lru", "predictive", "belady"):
+            for policy in ("lru", "predictive", "lfu", "predictive_lfu", "belady"):
                 assert simulate(tr, pred, costs, cap, policy).transfers >= bel.transfers
     assert strictly_fewer >= 25  # the property is not vacuous: Belady usually wins outright
 
