@@ -104,6 +104,12 @@ def table(report: dict) -> str:
                 if all(rung in cs.get(pl, {}) for pl in plats):
                     best = [max(cs[pl][rung].items(), key=lambda kv: kv[1]) for pl in plats]
                     lines.append(f"  {rung + ' gated':<18}" + "".join(f"{v:>8.2f} @{float(g):<3.2g}" for g, v in best))
+            need = moe.get("recall_needed")
+            if need:
+                be = need["break_even_recall"]
+                lines.append(f"  m2r2 recall after the branch {need['recall'][0]:.2f}; recall at which its prefetching "
+                             "beats on-demand LFU: " + ", ".join(f"{pl} {'never' if be.get(pl) is None else f'{be[pl]:.2f}'}"
+                                                                 for pl in plats))
     if report.get("sample"):
         lines += ["", "sample of the dense base: " + repr(report["sample"]["prompt"] + report["sample"]["text"])[:300]]
     t = report.get("targets")

@@ -24,6 +24,7 @@ from m2r2_jax.moe_offload.predictors import (choose_m2r2_sources, fast_steps_nee
                                              sources_by_fast_steps)
 from m2r2_jax.moe_offload.record import generate_reference, record_trace
 from m2r2_jax.moe_offload.simulator import simulate
+from m2r2_jax.moe_offload.trace import blend_with_oracle
 
 LADDER = ("on_demand_lru", "on_demand_lfu", "next_gate", "next_gate_lfu", "m2r2", "m2r2_lfu", "oracle",
           "on_demand_belady", "oracle_belady", "all_resident")
@@ -42,6 +43,7 @@ TARGET_SPEEDUP = 2.9  # the benchmark target: speedup over on-demand LRU at 2 x 
 # prefetch gates swept in report["confidence_sweep"] (simulator.guess_confidence; 0 = prefetch every guess)
 CONFIDENCE_GRID = (0.0, 1.1, 1.25, 1.5, 2.0)
 GATED_RUNGS = ("next_gate", "next_gate_lfu", "m2r2", "m2r2_lfu")
+BLEND_SHARES = (0.0, 0.25, 0.5, 0.75, 1.0)  # report["recall_needed"]: share of m2r2's guesses set to the truth
 RHO_GRID = (0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0)
 
 
@@ -106,6 +108,32 @@ def ceiling(ladder: dict, costs, n_layers: int) -> dict:
             "oracle_belady_speedup": ladder["oracle_belady"]["speedup_vs_on_demand_lru"],
             "bound_s": bound_s, "bound_speedup_vs_on_demand_lru": lru["total_s"] / bound_s,
             "loads_ratio_bound": 1 + lru["transfers"] / max(bel["transfers"], 1)}
+
+
+def recall_needed(trace, costs_by_platform: dict, capacity: int, layers, predictor: str = "m2r2",
+                  shares=BLEND_SHARES) -> dict:
+    """How much recall `predictor` would need before prefetching beats on-demand frequency eviction.
+
+    Its guesses are blended with the true routing (`blend_with_oracle`: a share of the guesses
+    replaced by the truth; lead and fast-pass cost unchanged) and each blend is replayed with the
+    frequency policy at every confidence gate. Per platform: the best speedup over on-demand LRU
+    per blend, on-demand LFU's, and the lowest recall (over `layers`) whose best speedup beats it
+    (None: not even perfect recall does)."""
+    recall, speedup = [], {pl: [] for pl in costs_by_platform}
+    on_demand = {}
+    for pl, costs in costs_by_platform.items():
+        base_s = simulate(trace, "none", costs, capacity, "lru").total_s
+        on_demand[pl] = base_s / simulate(trace, "none", costs, capacity, "lfu").total_s
+    for share in shares:
+        blended = blend_with_oracle(trace, predictor, share)
+        recall.append(mean_recall(recall_per_layer(blended, "blend"), layers))
+        for pl, costs in costs_by_platform.items():
+            base_s = simulate(blended, "none", costs, capacity, "lru").total_s
+            speedup[pl].append(max(base_s / simulate(blended, "blend", costs, capacity, "predictive_lfu",
+                                                     min_confidence=g).total_s for g in CONFIDENCE_GRID))
+    break_even = {pl: next((r for r, x in zip(recall, speedup[pl]) if x > on_demand[pl]), None) for pl in speedup}
+    return {"predictor": predictor, "share_of_truth": list(shares), "recall": recall, "best_speedup": speedup,
+            "on_demand_lfu": on_demand, "break_even_recall": break_even}
 
 
 def calibrate_engine(base_cfg, base_params, repeats: int = 20) -> dict:
@@ -211,7 +239,7 @@ def moe_report(base_cfg, base_params, mcfg, m2r2_params, prompts_tokens: Sequenc
     m2r2_layers = [l for l in range(base_cfg.n_layers) if l >= mcfg.branch_layer]
     recall_after_branch = {p: mean_recall(per_layer[p], m2r2_layers) for p in predictors}
 
-    sims, speedup, hit_rate, confidence_sweep = {}, {}, {}, {}
+    sims, speedup, hit_rate, confidence_sweep, main_costs = {}, {}, {}, {}, {}
     for shape in shapes:
         ovh = adapter_overhead(shape, base_cfg, mcfg)
         sims[shape.name] = {}
@@ -221,12 +249,14 @@ def moe_report(base_cfg, base_params, mcfg, m2r2_params, prompts_tokens: Sequenc
             sims[shape.name][plat.name] = {"costs": costs.to_dict(), "ladder": lad,
                                            "ceiling": ceiling(lad, costs, trace.n_layers)}
             if shape is shapes[0]:  # confidence-gated prefetch: only the guesses a predictor is sure of
+                main_costs[plat.name] = costs
                 base_s = lad["on_demand_lru"]["total_s"]
                 confidence_sweep[plat.name] = {
                     rung: {str(th): base_s / simulate(trace, RUNGS[rung][0], costs, capacity, RUNGS[rung][1],
                                                       min_confidence=th).total_s for th in CONFIDENCE_GRID}
                     for rung in GATED_RUNGS}
     main = shapes[0].name
+    needed = recall_needed(trace, main_costs, capacity, m2r2_layers)
     for rung in LADDER[1:]:
         speedup[rung] = {pl: sims[main][pl]["ladder"][rung]["speedup_vs_on_demand_lru"] for pl in sims[main]}
     any_costs = sims[main][plats[0].name]["ladder"]
@@ -287,6 +317,7 @@ def moe_report(base_cfg, base_params, mcfg, m2r2_params, prompts_tokens: Sequenc
         "ceiling": {pl: sims[main][pl]["ceiling"] for pl in sims[main]},
         "simulation": sims,
         "confidence_sweep": confidence_sweep,
+        "recall_needed": needed,
         "rho_sweep": rho_sweep,
         "bandwidth_capacity_sweep": bw_sweep,
         "assumptions": dict(P.assumptions(), **{

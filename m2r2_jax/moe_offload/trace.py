@@ -111,3 +111,26 @@ def next_gate_issue(n_layers: int, lookahead: int) -> list:
     """Layer l's guess from h_{l-a+1}, the output of layer l-a (h_0 = the embeddings): issued
     before slow layer l-a+1's attention."""
     return [("attn", l - lookahead + 1) if l - lookahead + 1 >= 0 else None for l in range(n_layers)]
+
+
+def blend_with_oracle(trace: RoutingTrace, name: str, share: float, seed: int = 0, new_name: str = "blend") -> RoutingTrace:
+    """A what-if predictor `new_name`: predictor `name` whose guess is replaced by the true routing on
+    a random `share` of its (token, layer) guesses, with the same issue points and fast pass. Its
+    recall rises from `name`'s toward 1 while its lead and cost stay `name`'s: how much recall the
+    predictor would need before prefetching pays (report["recall_needed"])."""
+    if not 0.0 <= share <= 1.0:
+        raise ValueError(f"share={share} is outside [0, 1]")
+    if "oracle" not in trace.rankings or name not in trace.rankings:
+        raise DataError(f"trace: blending needs the oracle and {name!r} rankings")
+    mine = trace.rankings[name]
+    truth = np.random.default_rng(seed).random(mine.shape[:2]) < share
+    truth &= mine[..., 0] >= 0  # layers the predictor does not guess stay unguessed
+    ranks = np.where(truth[..., None], trace.rankings["oracle"], mine)
+    probs = dict(trace.probs or {})
+    if name in probs and "oracle" in probs:
+        probs[new_name] = np.where(truth[..., None], probs["oracle"], probs[name])
+    return dataclasses.replace(
+        trace, rankings=dict(trace.rankings, **{new_name: ranks}), issue=dict(trace.issue, **{new_name: trace.issue[name]}),
+        uses_fast=dict(trace.uses_fast, **{new_name: trace.uses_fast.get(name, False)}),
+        fast_steps=dict(trace.fast_steps, **({new_name: trace.fast_steps[name]} if name in trace.fast_steps else {})),
+        probs=probs or None).validate()

@@ -16,6 +16,7 @@ from m2r2_jax.models import transformer as T
 from m2r2_jax.models.checkpoint import save_model
 from m2r2_jax.moe_offload.metrics import recall_per_layer
 from m2r2_jax.moe_offload.record import record_trace
+from m2r2_jax.moe_offload.predictors import fast_steps_needed
 from m2r2_jax.moe_offload.report import LADDER, SIMULATOR_ONLY, moe_report, run_engine, write_plots
 
 
@@ -93,9 +94,21 @@ def test_report_and_plots(setup, tmp_path):
     assert rep["m2r2"]["sources_calibrated_on_tokens"] == len(PROMPTS[0])
     # confidence-gated prefetch: gate 0 is the ladder's rung itself
     for plat in ("pcie_gen4", "nvlink_c2c"):
-        for rung in ("next_gate", "m2r2"):
+        for rung in ("next_gate", "next_gate_lfu", "m2r2", "m2r2_lfu"):
             sweep = rep["confidence_sweep"][plat][rung]
             assert sweep["0.0"] == pytest.approx(sp[rung][plat]) and len(sweep) == 5
+    # the fast pass runs the steps the chosen sources need; the recall-needed blend starts at m2r2's own
+    m = rep["m2r2"]
+    assert m["fast_steps"] == fast_steps_needed([tuple(x) for x in m["sources"]]) <= m["fast_steps_max"]
+    assert len(m["recall_by_fast_steps"]) == m["fast_steps_max"] + 1
+    need = rep["recall_needed"]
+    assert need["recall"][0] == pytest.approx(rep["recall_after_branch"]["m2r2"]) and need["recall"][-1] == 1.0
+    for plat in ("pcie_gen4", "nvlink_c2c"):
+        assert need["on_demand_lfu"][plat] == pytest.approx(sp["on_demand_lfu"][plat])
+        assert need["best_speedup"][plat][0] >= max(rep["confidence_sweep"][plat]["m2r2_lfu"].values()) - 1e-9
+        be = need["break_even_recall"][plat]
+        beats = [r for r, x in zip(need["recall"], need["best_speedup"][plat]) if x > need["on_demand_lfu"][plat]]
+        assert be == (beats[0] if beats else None)
     json.dumps(rep)
     paths = write_plots(rep, tmp_path)
     assert len(paths) == 7 and all(os.path.getsize(p) > 1000 for p in paths)

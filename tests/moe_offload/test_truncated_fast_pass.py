@@ -17,7 +17,9 @@ from m2r2_jax.moe_offload.engine import OffloadEngine, _fast_pass
 from m2r2_jax.moe_offload.predictors import (choose_m2r2_sources, fast_steps_needed, m2r2_state_plan,
                                              source_candidates, source_steps, sources_by_fast_steps)
 from m2r2_jax.moe_offload.record import record_trace
+from m2r2_jax.moe_offload.metrics import mean_recall, recall_per_layer
 from m2r2_jax.moe_offload.simulator import simulate, token_schedule
+from m2r2_jax.moe_offload.trace import blend_with_oracle
 
 
 @pytest.fixture(scope="module")
@@ -145,3 +147,22 @@ def test_engine_with_a_short_fast_pass_is_exact(moe, state):
     assert eng.fast_steps == state
     out, _ = eng.generate(list(PROMPTS[1]), NEW)
     assert out == list(refs[1]) and eng.stats.prefetches > 0
+
+
+def test_blend_with_oracle_moves_recall_and_keeps_lead_and_cost():
+    tr = dataclasses.replace(_synthetic(2), probs=None)
+    tr.rankings["m2r2"][:, 0] = -1  # a layer the predictor does not guess
+    tr = tr.validate()
+    layers = list(range(1, tr.n_layers))
+    none = blend_with_oracle(tr, "m2r2", 0.0)
+    np.testing.assert_array_equal(none.rankings["blend"], tr.rankings["m2r2"])
+    full = blend_with_oracle(tr, "m2r2", 1.0)
+    assert mean_recall(recall_per_layer(full, "blend"), layers) == 1.0
+    assert (full.rankings["blend"][:, 0] == -1).all()  # still no guess there
+    half = blend_with_oracle(tr, "m2r2", 0.5, seed=3)
+    mid = mean_recall(recall_per_layer(half, "blend"), layers)
+    assert mean_recall(recall_per_layer(tr, "m2r2"), layers) <= mid <= 1.0
+    assert half.issue["blend"] == tr.issue["m2r2"] and half.fast_steps_of("blend") == 2
+    assert token_schedule(half, "blend") == token_schedule(tr, "m2r2")
+    with pytest.raises(ValueError, match="share"):
+        blend_with_oracle(tr, "m2r2", 1.5)
