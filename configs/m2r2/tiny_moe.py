@@ -10,6 +10,11 @@ over next_gate (NVLink-C2C; both still below on-demand LRU there), with recall a
 lookahead 2 and 3; "none" costs nothing but predicted less well. The expert prediction for
 ahead-of-time loading is unchanged: the fast stream's own router logits at the layers it visits,
 and the routers applied to its states elsewhere.
+
+loss.lambda_routing = 10 distils the slow stream's routing into the fast stream's own router at the
+layers it visits (KL per step). Measured on the demo's artifacts (30 stream steps, 3 held-out prompts
+x 96 teacher-forced tokens): m2r2 recall 0.785 -> 0.812 (after the branch 0.83 -> 0.86), at
+lookahead 2 0.66 -> 0.78; 30 gave the same, 1 changed nothing.
 """
 
 from m2r2_jax.m2r2.distill import distill_config
@@ -21,5 +26,6 @@ def get_config():
                          router_dim=32, router_hidden=32, moe_fast_mlp="lowrank", moe_lowrank_dim=64))
     cfg.train.update(dict(steps=200, batch_size=8, learning_rate=3e-3))
     cfg.router_train.update(dict(steps=60, batch_size=8, learning_rate=3e-3))
+    cfg.loss.lambda_routing = 10.0
     cfg.data.update(dict(source="embedded", seq_len=128))
     return cfg

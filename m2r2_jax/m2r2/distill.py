@@ -83,6 +83,9 @@ def validate_distill(cfg, base_cfg=None) -> tuple:
     except TypeError as e:
         raise ConfigError(f"bad m2r2/loss section: {e}") from None
     mcfg.validate(base_cfg)  # base-dependent fields only when the base is known
+    if lcfg.lambda_routing > 0 and base_cfg is not None and not base_cfg.is_moe:
+        raise ConfigError(f"loss.lambda_routing={lcfg.lambda_routing!r} is invalid: the base is a dense "
+                          f"{base_cfg.family} model with no routing to distil (set it for MoE bases)")
     validate_train(cfg.train)
     if cfg.schedule == "two_stage":
         validate_train(cfg.router_train)

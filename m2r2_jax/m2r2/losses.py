@@ -33,11 +33,14 @@ class LossConfig:
     lambda_align: float = 0.1
     lambda_router: float = 1.0
     step_weights: str = "uniform"  # uniform | increasing
+    # MoE bases: KL from the slow stream's routing at each visited layer to the routing the fast
+    # stream's own MLP input gets there, so the fast state also predicts which experts load (0: off)
+    lambda_routing: float = 0.0
 
     def validate(self) -> "LossConfig":
         if not self.temperature > 0:
             raise ConfigError(f"loss.temperature={self.temperature!r} is invalid: expected > 0")
-        for name in ("lambda_align", "lambda_router"):
+        for name in ("lambda_align", "lambda_router", "lambda_routing"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"loss.{name}={getattr(self, name)!r} is invalid: expected >= 0")
         if self.step_weights not in ("uniform", "increasing"):
@@ -92,6 +95,10 @@ def distill_loss(base: ModelConfig, mcfg: M2R2Config, lcfg: LossConfig, base_par
     kl, align, labels, scalars = jax.lax.map(per_step, (jnp.arange(k), tf.states, prevs, targets))
     w = _step_weights(k, lcfg.step_weights)
     loss = jnp.sum(w * (kl + lcfg.lambda_align * align))
+    routing_kl = None
+    if lcfg.lambda_routing > 0 and tf.moe_router_logits is not None:
+        routing_kl = _routing_kl(tf.slow_router_logits[jnp.asarray(F.visited_layers(base, mcfg))], tf.moe_router_logits)
+        loss = loss + lcfg.lambda_routing * jnp.sum(w * routing_kl)
 
     # deciders, on stop-gradient states
     states_sg = jax.lax.stop_gradient(tf.states)
@@ -111,4 +118,13 @@ def distill_loss(base: ModelConfig, mcfg: M2R2Config, lcfg: LossConfig, base_par
         "router_acc": jnp.mean(((router_logits > 0) == (labels > 0.5)).astype(jnp.float32)),
         "step_mlp_bce": bce_mlp,
     }
+    if routing_kl is not None:
+        metrics["routing_kl"] = jnp.sum(w * routing_kl)
     return loss, metrics
+
+
+def _routing_kl(slow_logits, fast_logits) -> jax.Array:
+    """[K] mean KL(slow routing || fast routing) over tokens, per visited layer ([K, B, T, E] each)."""
+    logp_slow = jax.nn.log_softmax(slow_logits.astype(jnp.float32), axis=-1)
+    logp_fast = jax.nn.log_softmax(fast_logits.astype(jnp.float32), axis=-1)
+    return jnp.mean(jnp.sum(jnp.exp(logp_slow) * (logp_slow - logp_fast), -1), axis=(1, 2))

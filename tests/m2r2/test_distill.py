@@ -93,6 +93,10 @@ def test_distill_config_errors(tiny_base, tmp_path):
     bad.data.seq_len = 128
     with pytest.raises(ConfigError, match="max_seq_len"):
         distill(bad, tmp_path / "c")
+    bad = _cfg(root / "base")
+    bad.loss.lambda_routing = 1.0  # the tiny base is dense: no routing to distil
+    with pytest.raises(ConfigError, match="lambda_routing=1.0 is invalid: the base is a dense"):
+        distill(bad, tmp_path / "d")
 
 
 def test_alignment_record_and_plot(tiny_base, tmp_path):

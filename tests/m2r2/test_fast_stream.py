@@ -154,6 +154,40 @@ def test_distill_gradients_reach_only_m2r2_params(family):
     assert all(float(jnp.abs(x).max()) == 0 for x in jax.tree.leaves(gb))
 
 
+def test_routing_distillation_term():
+    """loss.lambda_routing adds KL(slow routing || fast stream's own routing) at the visited layers;
+    its gradient reaches the stream's parameters and a step against it lowers that KL."""
+    from m2r2_jax.m2r2 import losses as L
+
+    base, bp, mcfg, mp = _setup("mixtral", moe_fast_mlp="lowrank")
+    toks = jax.random.randint(jax.random.key(9), (2, 8), 0, base.vocab_size)
+    off_loss, off = L.distill_loss(base, mcfg, L.LossConfig(), bp, mp, toks)
+    on_loss, on = L.distill_loss(base, mcfg, L.LossConfig(lambda_routing=2.0), bp, mp, toks)
+    assert "routing_kl" not in off and float(on["routing_kl"]) > 0
+    assert float(on_loss) == pytest.approx(float(off_loss) + 2.0 * float(on["routing_kl"]), rel=1e-5)
+    tf = F.train_forward(base, mcfg, bp, mp, toks)
+    slow = np.asarray(tf.slow_router_logits)[list(F.visited_layers(base, mcfg))].astype(np.float64)
+    fast = np.asarray(tf.moe_router_logits).astype(np.float64)
+
+    def log_softmax(x):
+        x = x - x.max(-1, keepdims=True)
+        return x - np.log(np.exp(x).sum(-1, keepdims=True))
+
+    want = np.mean(np.sum(np.exp(log_softmax(slow)) * (log_softmax(slow) - log_softmax(fast)), -1))  # uniform weights
+    assert float(on["routing_kl"]) == pytest.approx(want, rel=1e-4)
+
+    def routing_kl(p):
+        return L.distill_loss(base, mcfg, L.LossConfig(lambda_routing=1.0), bp, p, toks)[1]["routing_kl"]
+
+    g = jax.grad(routing_kl)(mp)
+    assert float(sum(jnp.sum(x * x) for x in jax.tree.leaves(g["adapters"]))) > 0
+    norm = float(jnp.sqrt(sum(jnp.sum(x * x) for x in jax.tree.leaves(g))))
+    stepped = jax.tree.map(lambda p, d: p - 1e-3 / norm * d, mp, g)
+    assert float(routing_kl(stepped)) < float(routing_kl(mp))
+    with pytest.raises(ConfigError, match="lambda_routing"):
+        L.LossConfig(lambda_routing=-1.0).validate()
+
+
 @pytest.mark.parametrize("fast_mlp", ["lowrank", "none"])
 def test_moe_fast_mlp_options(fast_mlp):
     base, bp, mcfg, mp = _setup("mixtral", moe_fast_mlp=fast_mlp)
