@@ -19,11 +19,11 @@
   `min_confidence` only confident guesses are fetched (`predictors.guess_confidence`), as in the
   simulator.
 
-The m2r2 predictor's fast pass (`fast_forward`) runs with a device copy of the base weights,
-including the experts of the layers it visits: this engine measures the prediction and overlap
-mechanics, while the fast pass's own expert loads (moe_fast_mlp="experts") are charged in the
-trace-replay simulator. On CPU, host and device memory are the same RAM: the numbers show the
-mechanics, not a real platform.
+The m2r2 predictor's fast pass (`fast_stream.fast_prefix`, up to the last step its sources read)
+runs with a device copy of the base weights, including the experts of the layers it visits: this
+engine measures the prediction and overlap mechanics, while the fast pass's own expert loads
+(moe_fast_mlp="experts") are charged in the trace-replay simulator. On CPU, host and device memory
+are the same RAM: the numbers show the mechanics, not a real platform.
 """
 
 from __future__ import annotations
