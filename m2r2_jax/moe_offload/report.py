@@ -407,7 +407,8 @@ def targets(report: dict) -> dict:
 
 
 def write_plots(report: dict, out_dir) -> list:
-    """recall per layer, recall by lookahead, hit rate, simulated speedup per platform, speedup vs rho."""
+    """recall per layer, recall by lookahead, hit rate, simulated speedup per platform, speedup vs rho,
+    bytes and stalls, bandwidth x capacity, recall needed, engine tokens/s."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -509,6 +510,18 @@ def write_plots(report: dict, out_dir) -> list:
            title="link bandwidth x cache size")
     ax.legend(fontsize=7)
     save(fig, "bandwidth_capacity_sweep.png")
+
+    need = report.get("recall_needed")
+    if need:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for pl, vals in need["best_speedup"].items():
+            ax.plot(need["recall"], vals, marker="o", label=f"{need['predictor']} blended, {pl}")
+            ax.axhline(need["on_demand_lfu"][pl], ls=":", lw=0.8, color=ax.lines[-1].get_color())
+        ax.axvline(need["recall"][0], color="k", lw=0.8)
+        ax.set(xlabel=f"recall after the branch ({need['predictor']} guesses partly replaced by the truth)",
+               ylabel="best speedup vs on-demand LRU", title="recall needed to beat on-demand LFU (dotted)")
+        ax.legend(fontsize=7)
+        save(fig, "recall_needed.png")
 
     if "engine" in report:
         fig, ax = plt.subplots(figsize=(6, 4))

@@ -111,7 +111,8 @@ def test_report_and_plots(setup, tmp_path):
         assert be == (beats[0] if beats else None)
     json.dumps(rep)
     paths = write_plots(rep, tmp_path)
-    assert len(paths) == 7 and all(os.path.getsize(p) > 1000 for p in paths)
+    assert len(paths) == 8 and all(os.path.getsize(p) > 1000 for p in paths)
+    assert any(p.endswith("recall_needed.png") for p in paths)
 
 
 def test_engine_ladder_skips_the_simulator_only_rungs(setup):
