@@ -15,9 +15,8 @@
 * Predictors (see `predictors.py`) issue prefetches: next_gate after each layer, oracle at the start
   of a token (from a previous pass's recorded routing), m2r2 after the fast pass, which the engine
   runs at the start of the token, up to the last step its sources need (layers before the branch
-  point use next_gate). With
-  `min_confidence` only confident guesses are fetched (`predictors.guess_confidence`), as in the
-  simulator.
+  point use next_gate). With `min_confidence` only confident guesses are fetched
+  (`predictors.guess_confidence`), as in the simulator.
 
 The m2r2 predictor's fast pass (`fast_stream.fast_prefix`, up to the last step its sources read)
 runs with a device copy of the base weights, including the experts of the layers it visits: this
