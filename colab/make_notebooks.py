@@ -408,7 +408,8 @@ each predictor guessed: `next_gate` (the next layer's router applied to the curr
 `m2r2` (the fast stream's routing, issued when the fast stream passes the layer) and `oracle` (the
 true routing, an upper bound). Recall@k is the share of the truly picked experts among a
 predictor's top-k. The trace is then replayed through a discrete-event simulator: one transfer link,
-sequential compute, a cache of `capacity` expert slots per layer; every assumption is written into
+sequential compute, a cache of `capacity` expert slots per layer, evicting the least recently used
+expert or, in the `*_lfu` rungs, the least often demanded one; every assumption is written into
 the report.
 '''),
         code('''
@@ -443,7 +444,10 @@ print("\\nceiling per platform (no policy can beat it on this trace):",
       {p: round(c["bound_speedup_vs_on_demand_lru"], 2) for p, c in report["ceiling"].items()})
 print("\\nrho = expert transfer time / layer compute time:",
       {p: round(report["simulation"][report["simulated_speedup_model"]][p]["costs"]["rho"], 2) for p in plats})
-for name in ("simulated_speedup.png", "speedup_vs_rho.png"):
+need = report["recall_needed"]
+print(f"\\nm2r2 recall after the branch {need['recall'][0]:.3f}; recall at which its prefetching would beat "
+      "on-demand LFU (None: not even perfect guesses):", need["break_even_recall"])
+for name in ("simulated_speedup.png", "speedup_vs_rho.png", "recall_needed.png"):
     display(Image(filename=str(OUT / name)))
 if "engine" in report:
     print("\\nreal offload engine on this machine (", report["engine"]["calibration"]["caveat"], ")")

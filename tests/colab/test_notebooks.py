@@ -307,11 +307,12 @@ def test_moe_offload_runs(executed):
     assert all(v > 0 for rung in report["simulated_speedup"].values() for v in rung.values())
     assert all(st["tokens_equal_all_resident"] for st in report["engine"]["ladder"].values())
     for png in ("recall_per_layer.png", "recall_by_lookahead.png", "simulated_speedup.png", "speedup_vs_rho.png",
-                "engine_tokens_per_s.png"):
+                "recall_needed.png", "engine_tokens_per_s.png"):
         assert (out / png).stat().st_size > 1000, png
     text = _text(nb)
     assert "recall@k per layer" in text and "simulated speedup vs on-demand loading" in text
-    assert _images(nb) == 4
+    assert "recall at which its prefetching would beat on-demand LFU" in text
+    assert _images(nb) == 5
 
 
 def test_bring_your_own_model_runs(executed):
