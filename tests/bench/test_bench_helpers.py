@@ -82,3 +82,16 @@ def test_targets_table_and_plots(tmp_path):
     assert "m2r2_spec" in text and "MISSED" in text and "alignment" in text
     written = R.write_plots(rep, tmp_path)
     assert {p.name for p in written} == {"alignment.png", "speculative.png", "batch_sweep.png", "early_exit.png"}
+
+
+def test_table_moe_section():
+    plats = ("pcie_gen4", "nvlink_c2c")
+    sweep = {r: {"0.0": 0.8, "2.0": 1.1} for r in ("next_gate", "next_gate_lfu", "m2r2", "m2r2_lfu")}
+    moe = {"recall": {"next_gate": 0.8, "m2r2": 0.81}, "hit_rate": {"next_gate": 0.9, "m2r2": 0.92},
+           "simulated_speedup_model": "mixtral-8x7b", "capacity": 4,
+           "simulated_speedup": {r: {pl: 1.0 for pl in plats} for r in ("on_demand_lfu", "m2r2", "m2r2_lfu")},
+           "confidence_sweep": {pl: sweep for pl in plats},
+           "recall_needed": {"recall": [0.86, 1.0], "break_even_recall": {"pcie_gen4": 0.93, "nvlink_c2c": None}}}
+    text = R.table({"moe": moe})
+    assert "m2r2_lfu gated" in text and "next_gate_lfu gated" in text and "1.10 @2" in text
+    assert "m2r2 recall after the branch 0.86" in text and "pcie_gen4 0.93, nvlink_c2c never" in text
