@@ -110,6 +110,12 @@ def table(report: dict) -> str:
                 lines.append(f"  m2r2 recall after the branch {need['recall'][0]:.2f}; recall at which its prefetching "
                              "beats on-demand LFU: " + ", ".join(f"{pl} {'never' if be.get(pl) is None else f'{be[pl]:.2f}'}"
                                                                  for pl in plats))
+            lead = moe.get("lead_needed")
+            if lead:
+                picks = sorted({a for a in (1, 2, 4, lead["lead_layers"][-1]) if a in lead["lead_layers"]})
+                lines.append(f"  true routing issued a layers ahead (a = {'/'.join(map(str, picks))}): " + ", ".join(
+                    f"{pl} " + "/".join(f"{lead['speedup'][pl][lead['lead_layers'].index(a)]:.2f}" for a in picks)
+                    for pl in plats))
     if report.get("sample"):
         lines += ["", "sample of the dense base: " + repr(report["sample"]["prompt"] + report["sample"]["text"])[:300]]
     t = report.get("targets")

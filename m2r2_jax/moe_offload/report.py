@@ -24,7 +24,7 @@ from m2r2_jax.moe_offload.predictors import (choose_m2r2_sources, fast_steps_nee
                                              sources_by_fast_steps)
 from m2r2_jax.moe_offload.record import generate_reference, record_trace
 from m2r2_jax.moe_offload.simulator import simulate
-from m2r2_jax.moe_offload.trace import blend_with_oracle
+from m2r2_jax.moe_offload.trace import blend_with_oracle, oracle_with_lead
 
 LADDER = ("on_demand_lru", "on_demand_lfu", "next_gate", "next_gate_lfu", "m2r2", "m2r2_lfu", "oracle",
           "on_demand_belady", "oracle_belady", "all_resident")
@@ -134,6 +134,23 @@ def recall_needed(trace, costs_by_platform: dict, capacity: int, layers, predict
     break_even = {pl: next((r for r, x in zip(recall, speedup[pl]) if x > on_demand[pl]), None) for pl in speedup}
     return {"predictor": predictor, "share_of_truth": list(shares), "recall": recall, "best_speedup": speedup,
             "on_demand_lfu": on_demand, "break_even_recall": break_even}
+
+
+def lead_needed(trace, costs_by_platform: dict, capacity: int) -> dict:
+    """How far ahead a perfect predictor must issue its guesses: the true routing issued 1..L layers
+    before each demand (`oracle_with_lead`), replayed with the frequency policy. Per platform: the
+    speedup over on-demand LRU per lead, on-demand LFU's, and the shortest lead that beats it (None:
+    no lead within the token does)."""
+    leads = list(range(1, trace.n_layers + 1))
+    speedup, on_demand = {}, {}
+    for pl, costs in costs_by_platform.items():
+        base_s = simulate(trace, "none", costs, capacity, "lru").total_s
+        on_demand[pl] = base_s / simulate(trace, "none", costs, capacity, "lfu").total_s
+        speedup[pl] = [base_s / simulate(oracle_with_lead(trace, a), "oracle_lead", costs, capacity,
+                                         "predictive_lfu").total_s for a in leads]
+    shortest = {pl: next((a for a, x in zip(leads, speedup[pl]) if x > on_demand[pl]), None) for pl in speedup}
+    return {"lead_layers": leads, "speedup": speedup, "on_demand_lfu": on_demand, "shortest_lead_beating_lfu": shortest,
+            "m2r2_leads": trace.lead("m2r2").tolist() if "m2r2" in trace.issue else None}
 
 
 def calibrate_engine(base_cfg, base_params, repeats: int = 20) -> dict:
@@ -257,6 +274,7 @@ def moe_report(base_cfg, base_params, mcfg, m2r2_params, prompts_tokens: Sequenc
                     for rung in GATED_RUNGS}
     main = shapes[0].name
     needed = recall_needed(trace, main_costs, capacity, m2r2_layers)
+    lead = lead_needed(trace, main_costs, capacity)
     for rung in LADDER[1:]:
         speedup[rung] = {pl: sims[main][pl]["ladder"][rung]["speedup_vs_on_demand_lru"] for pl in sims[main]}
     any_costs = sims[main][plats[0].name]["ladder"]
@@ -318,6 +336,7 @@ def moe_report(base_cfg, base_params, mcfg, m2r2_params, prompts_tokens: Sequenc
         "simulation": sims,
         "confidence_sweep": confidence_sweep,
         "recall_needed": needed,
+        "lead_needed": lead,
         "rho_sweep": rho_sweep,
         "bandwidth_capacity_sweep": bw_sweep,
         "assumptions": dict(P.assumptions(), **{
@@ -408,7 +427,7 @@ def targets(report: dict) -> dict:
 
 def write_plots(report: dict, out_dir) -> list:
     """recall per layer, recall by lookahead, hit rate, simulated speedup per platform, speedup vs rho,
-    bytes and stalls, bandwidth x capacity, recall needed, engine tokens/s."""
+    bytes and stalls, bandwidth x capacity, recall needed, lead needed, engine tokens/s."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -522,6 +541,17 @@ def write_plots(report: dict, out_dir) -> list:
                ylabel="best speedup vs on-demand LRU", title="recall needed to beat on-demand LFU (dotted)")
         ax.legend(fontsize=7)
         save(fig, "recall_needed.png")
+
+    lead = report.get("lead_needed")
+    if lead:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for pl, vals in lead["speedup"].items():
+            ax.plot(lead["lead_layers"], vals, marker="o", label=f"true routing, {pl}")
+            ax.axhline(lead["on_demand_lfu"][pl], ls=":", lw=0.8, color=ax.lines[-1].get_color())
+        ax.set(xlabel="lead (layers between the guess and the demand)", ylabel="speedup vs on-demand LRU",
+               title="lead a perfect predictor needs (dotted: on-demand LFU)")
+        ax.legend(fontsize=7)
+        save(fig, "lead_needed.png")
 
     if "engine" in report:
         fig, ax = plt.subplots(figsize=(6, 4))

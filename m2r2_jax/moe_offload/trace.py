@@ -134,3 +134,17 @@ def blend_with_oracle(trace: RoutingTrace, name: str, share: float, seed: int = 
         uses_fast=dict(trace.uses_fast, **{new_name: trace.uses_fast.get(name, False)}),
         fast_steps=dict(trace.fast_steps, **({new_name: trace.fast_steps[name]} if name in trace.fast_steps else {})),
         probs=probs or None).validate()
+
+
+def oracle_with_lead(trace: RoutingTrace, lead: int, new_name: str = "oracle_lead") -> RoutingTrace:
+    """A what-if predictor `new_name`: the true routing, issued `lead` layers ahead of each layer's
+    demand (before slow layer l - lead + 1; layers closer to the token's start than that get it at
+    the token's start). No fast pass. How much lead a perfect predictor needs (report["lead_needed"])."""
+    if lead < 1:
+        raise ValueError(f"lead={lead} must be >= 1 layer")
+    issue = [key if key is not None else ("attn", 0) for key in next_gate_issue(trace.n_layers, lead)]
+    probs = dict(trace.probs or {})
+    if "oracle" in probs:
+        probs[new_name] = probs["oracle"]
+    return dataclasses.replace(trace, rankings=dict(trace.rankings, **{new_name: trace.rankings["oracle"]}),
+                               issue=dict(trace.issue, **{new_name: issue}), probs=probs or None).validate()

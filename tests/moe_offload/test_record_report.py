@@ -109,10 +109,18 @@ def test_report_and_plots(setup, tmp_path):
         be = need["break_even_recall"][plat]
         beats = [r for r, x in zip(need["recall"], need["best_speedup"][plat]) if x > need["on_demand_lfu"][plat]]
         assert be == (beats[0] if beats else None)
+    # a perfect predictor issued 1..L layers ahead: one speedup per lead and platform
+    lead = rep["lead_needed"]
+    assert lead["lead_layers"] == list(range(1, cfg.n_layers + 1)) and lead["m2r2_leads"] == rep["trace"]["leads"]["m2r2"]
+    for plat in ("pcie_gen4", "nvlink_c2c"):
+        assert len(lead["speedup"][plat]) == cfg.n_layers and all(x > 0 for x in lead["speedup"][plat])
+        assert lead["on_demand_lfu"][plat] == pytest.approx(sp["on_demand_lfu"][plat])
+        a = lead["shortest_lead_beating_lfu"][plat]
+        assert a is None or lead["speedup"][plat][a - 1] > lead["on_demand_lfu"][plat]
     json.dumps(rep)
     paths = write_plots(rep, tmp_path)
-    assert len(paths) == 8 and all(os.path.getsize(p) > 1000 for p in paths)
-    assert any(p.endswith("recall_needed.png") for p in paths)
+    assert len(paths) == 9 and all(os.path.getsize(p) > 1000 for p in paths)
+    assert any(p.endswith("recall_needed.png") for p in paths) and any(p.endswith("lead_needed.png") for p in paths)
 
 
 def test_engine_ladder_skips_the_simulator_only_rungs(setup):

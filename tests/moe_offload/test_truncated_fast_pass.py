@@ -19,7 +19,7 @@ from m2r2_jax.moe_offload.predictors import (choose_m2r2_sources, fast_steps_nee
 from m2r2_jax.moe_offload.record import record_trace
 from m2r2_jax.moe_offload.metrics import mean_recall, recall_per_layer
 from m2r2_jax.moe_offload.simulator import simulate, token_schedule
-from m2r2_jax.moe_offload.trace import blend_with_oracle
+from m2r2_jax.moe_offload.trace import blend_with_oracle, oracle_with_lead
 
 
 @pytest.fixture(scope="module")
@@ -166,3 +166,18 @@ def test_blend_with_oracle_moves_recall_and_keeps_lead_and_cost():
     assert token_schedule(half, "blend") == token_schedule(tr, "m2r2")
     with pytest.raises(ValueError, match="share"):
         blend_with_oracle(tr, "m2r2", 1.5)
+
+
+def test_oracle_with_lead_issues_the_truth_a_layers_ahead():
+    tr = _synthetic(2)
+    for a in (1, 3, tr.n_layers):
+        t = oracle_with_lead(tr, a)
+        np.testing.assert_array_equal(t.rankings["oracle_lead"], tr.rankings["oracle"])
+        lead = t.lead("oracle_lead")
+        assert [int(x) for x in lead] == [min(a, l + 1) for l in range(tr.n_layers)]
+        assert t.fast_steps_of("oracle_lead") == 0 and "fast_attn" not in {k for k, _ in token_schedule(t, "oracle_lead")}
+    # on a free link even the shortest lead never stalls
+    fast = dataclasses.replace(COSTS, link_bytes_per_s=1e12, link_latency_s=0.0)
+    assert simulate(oracle_with_lead(tr, 1), "oracle_lead", fast, 6, "predictive_lfu").stall_s == 0
+    with pytest.raises(ValueError, match="lead=0"):
+        oracle_with_lead(tr, 0)
