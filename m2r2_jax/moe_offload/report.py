@@ -530,27 +530,30 @@ def write_plots(report: dict, out_dir) -> list:
     ax.legend(fontsize=7)
     save(fig, "bandwidth_capacity_sweep.png")
 
+    def against_on_demand_lfu(xs, curves: dict, on_demand: dict, label: str, **axes):
+        """One speedup curve per platform, each with on-demand LFU's speedup as a dotted line."""
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for pl, vals in curves.items():
+            ax.plot(xs, vals, marker="o", label=f"{label}, {pl}")
+            ax.axhline(on_demand[pl], ls=":", lw=0.8, color=ax.lines[-1].get_color())
+        ax.set(ylabel="speedup vs on-demand LRU", **axes)
+        ax.legend(fontsize=7)
+        return fig, ax
+
     need = report.get("recall_needed")
     if need:
-        fig, ax = plt.subplots(figsize=(6, 4))
-        for pl, vals in need["best_speedup"].items():
-            ax.plot(need["recall"], vals, marker="o", label=f"{need['predictor']} blended, {pl}")
-            ax.axhline(need["on_demand_lfu"][pl], ls=":", lw=0.8, color=ax.lines[-1].get_color())
+        fig, ax = against_on_demand_lfu(
+            need["recall"], need["best_speedup"], need["on_demand_lfu"], f"{need['predictor']} blended",
+            xlabel=f"recall after the branch ({need['predictor']} guesses partly replaced by the truth)",
+            title="recall needed to beat on-demand LFU (dotted)")
         ax.axvline(need["recall"][0], color="k", lw=0.8)
-        ax.set(xlabel=f"recall after the branch ({need['predictor']} guesses partly replaced by the truth)",
-               ylabel="best speedup vs on-demand LRU", title="recall needed to beat on-demand LFU (dotted)")
-        ax.legend(fontsize=7)
         save(fig, "recall_needed.png")
 
     lead = report.get("lead_needed")
     if lead:
-        fig, ax = plt.subplots(figsize=(6, 4))
-        for pl, vals in lead["speedup"].items():
-            ax.plot(lead["lead_layers"], vals, marker="o", label=f"true routing, {pl}")
-            ax.axhline(lead["on_demand_lfu"][pl], ls=":", lw=0.8, color=ax.lines[-1].get_color())
-        ax.set(xlabel="lead (layers between the guess and the demand)", ylabel="speedup vs on-demand LRU",
-               title="lead a perfect predictor needs (dotted: on-demand LFU)")
-        ax.legend(fontsize=7)
+        fig, _ = against_on_demand_lfu(lead["lead_layers"], lead["speedup"], lead["on_demand_lfu"], "true routing",
+                                       xlabel="lead (layers between the guess and the demand)",
+                                       title="lead a perfect predictor needs (dotted: on-demand LFU)")
         save(fig, "lead_needed.png")
 
     if "engine" in report:
