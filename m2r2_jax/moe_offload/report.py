@@ -110,47 +110,48 @@ def ceiling(ladder: dict, costs, n_layers: int) -> dict:
             "loads_ratio_bound": 1 + lru["transfers"] / max(bel["transfers"], 1)}
 
 
-def recall_needed(trace, costs_by_platform: dict, capacity: int, layers, predictor: str = "m2r2",
+def recall_needed(trace, costs_by_platform: dict, ladders: dict, capacity: int, layers, predictor: str = "m2r2",
                   shares=BLEND_SHARES) -> dict:
     """How much recall `predictor` would need before prefetching beats on-demand frequency eviction.
 
     Its guesses are blended with the true routing (`blend_with_oracle`: a share of the guesses
     replaced by the truth; lead and fast-pass cost unchanged) and each blend is replayed with the
-    frequency policy at every confidence gate. Per platform: the best speedup over on-demand LRU
-    per blend, on-demand LFU's, and the lowest recall (over `layers`) whose best speedup beats it
-    (None: not even perfect recall does)."""
+    frequency policy at every confidence gate. `ladders`: each platform's `simulate_ladder` on this
+    trace (blending leaves the true routing, so its on-demand rungs hold for every blend). Per
+    platform: the best speedup over on-demand LRU per blend, on-demand LFU's, and the lowest recall
+    (over `layers`) whose best speedup beats it (None: not even perfect recall does)."""
+    base_s, on_demand = _on_demand_rungs(ladders)
     recall, speedup = [], {pl: [] for pl in costs_by_platform}
-    on_demand = {}
-    for pl, costs in costs_by_platform.items():
-        base_s = simulate(trace, "none", costs, capacity, "lru").total_s
-        on_demand[pl] = base_s / simulate(trace, "none", costs, capacity, "lfu").total_s
     for share in shares:
         blended = blend_with_oracle(trace, predictor, share)
         recall.append(mean_recall(recall_per_layer(blended, "blend"), layers))
         for pl, costs in costs_by_platform.items():
-            base_s = simulate(blended, "none", costs, capacity, "lru").total_s
-            speedup[pl].append(max(base_s / simulate(blended, "blend", costs, capacity, "predictive_lfu",
-                                                     min_confidence=g).total_s for g in CONFIDENCE_GRID))
+            speedup[pl].append(max(base_s[pl] / simulate(blended, "blend", costs, capacity, "predictive_lfu",
+                                                         min_confidence=g).total_s for g in CONFIDENCE_GRID))
     break_even = {pl: next((r for r, x in zip(recall, speedup[pl]) if x > on_demand[pl]), None) for pl in speedup}
     return {"predictor": predictor, "share_of_truth": list(shares), "recall": recall, "best_speedup": speedup,
             "on_demand_lfu": on_demand, "break_even_recall": break_even}
 
 
-def lead_needed(trace, costs_by_platform: dict, capacity: int) -> dict:
+def lead_needed(trace, costs_by_platform: dict, ladders: dict, capacity: int) -> dict:
     """How far ahead a perfect predictor must issue its guesses: the true routing issued 1..L layers
-    before each demand (`oracle_with_lead`), replayed with the frequency policy. Per platform: the
-    speedup over on-demand LRU per lead, on-demand LFU's, and the shortest lead that beats it (None:
-    no lead within the token does)."""
+    before each demand (`oracle_with_lead`), replayed with the frequency policy (`ladders` as in
+    `recall_needed`). Per platform: the speedup over on-demand LRU per lead, on-demand LFU's, and
+    the shortest lead that beats it (None: no lead within the token does)."""
+    base_s, on_demand = _on_demand_rungs(ladders)
     leads = list(range(1, trace.n_layers + 1))
-    speedup, on_demand = {}, {}
-    for pl, costs in costs_by_platform.items():
-        base_s = simulate(trace, "none", costs, capacity, "lru").total_s
-        on_demand[pl] = base_s / simulate(trace, "none", costs, capacity, "lfu").total_s
-        speedup[pl] = [base_s / simulate(oracle_with_lead(trace, a), "oracle_lead", costs, capacity,
-                                         "predictive_lfu").total_s for a in leads]
+    with_lead = [oracle_with_lead(trace, a) for a in leads]
+    speedup = {pl: [base_s[pl] / simulate(t, "oracle_lead", costs, capacity, "predictive_lfu").total_s for t in with_lead]
+               for pl, costs in costs_by_platform.items()}
     shortest = {pl: next((a for a, x in zip(leads, speedup[pl]) if x > on_demand[pl]), None) for pl in speedup}
     return {"lead_layers": leads, "speedup": speedup, "on_demand_lfu": on_demand, "shortest_lead_beating_lfu": shortest,
             "m2r2_leads": trace.lead("m2r2").tolist() if "m2r2" in trace.issue else None}
+
+
+def _on_demand_rungs(ladders: dict) -> tuple:
+    """Per platform: on-demand LRU's total time (every speedup's baseline) and on-demand LFU's speedup."""
+    return ({pl: lad["on_demand_lru"]["total_s"] for pl, lad in ladders.items()},
+            {pl: lad["on_demand_lfu"]["speedup_vs_on_demand_lru"] for pl, lad in ladders.items()})
 
 
 def calibrate_engine(base_cfg, base_params, repeats: int = 20) -> dict:
@@ -273,8 +274,9 @@ def moe_report(base_cfg, base_params, mcfg, m2r2_params, prompts_tokens: Sequenc
                                                       min_confidence=th).total_s for th in CONFIDENCE_GRID}
                     for rung in GATED_RUNGS}
     main = shapes[0].name
-    needed = recall_needed(trace, main_costs, capacity, m2r2_layers)
-    lead = lead_needed(trace, main_costs, capacity)
+    main_ladders = {pl: sims[main][pl]["ladder"] for pl in main_costs}
+    needed = recall_needed(trace, main_costs, main_ladders, capacity, m2r2_layers)
+    lead = lead_needed(trace, main_costs, main_ladders, capacity)
     for rung in LADDER[1:]:
         speedup[rung] = {pl: sims[main][pl]["ladder"][rung]["speedup_vs_on_demand_lru"] for pl in sims[main]}
     any_costs = sims[main][plats[0].name]["ladder"]
