@@ -71,7 +71,10 @@ def table(report: dict) -> str:
             if m in spec and "costs" in spec[m]:
                 c = spec[m]["costs"]
                 lines.append(f"  {m}: draft {spec[m]['draft_cost_layers']:.1f} layer-eq/token "
-                             f"(measured {c['draft_cost_per_token']:.2f} ar-steps), verify {c['verify_cost_ratio']:.2f} ar-steps")
+                             f"(measured {c['draft_cost_per_token']:.2f} ar-steps), verify {c['verify_cost_ratio']:.2f} ar-steps"
+                             + (f"; whole round {c['round_cost_ratio']:.2f} ar-steps ({c['round_overhead']:+.2f} beyond "
+                                f"the two passes), bound {spec[m]['ideal_speedup_from_round']:.2f}x"
+                                if "round_cost_ratio" in c and "ideal_speedup_from_round" in spec[m] else ""))
     al = report.get("alignment")
     if al:
         lines += ["", "alignment: top-1 agreement with the final output at compute (layers)"]

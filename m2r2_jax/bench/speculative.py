@@ -10,7 +10,9 @@ Definitions (Spec-Bench's):
 Costs, measured on the same device: one ar decoding step (t_ar), one draft phase of gamma tokens
 (t_draft) and one verification pass over gamma + 1 positions (t_verify). The ideal speedup implied
 by the acceptance and these costs is  mean_accepted * t_ar / (t_draft + t_verify);  measured/ideal
-is the implementation efficiency (what the loop, padding and bookkeeping cost on top).
+is the implementation efficiency (what the loop, padding and bookkeeping cost on top). The whole
+round is timed as well (t_round): mean_accepted * t_ar / t_round is the bound with acceptance,
+commit and the two passes compiled together, which separates in-graph costs from host overheads.
 """
 
 from __future__ import annotations
@@ -133,42 +135,81 @@ def in_graph_seconds(components: dict, repeats: int = 7, n_short: int = 2, n_lon
             for name, v in per.items()}
 
 
-def round_costs(engines: dict, ar_engine, prompt: Sequence[int], width: int, repeats: int = 7) -> dict:
-    """Seconds of one ar decoding step and, for each speculative engine in `engines` {name: engine},
-    one draft phase (gamma tokens) and one verification pass over gamma + 1 positions, batch 1,
-    all measured side by side inside compiled loops (`in_graph_seconds`).
-    Returns {"ar": {"t_ar_step"}, name: {"t_ar_step", "t_draft", "t_verify", ratios, spreads}}."""
+def _kept_running(round_fn):
+    """A decoding round that can be iterated in a timing loop without the sequence finishing:
+    the token count, the done flag and the round counter are put back after every round, so each
+    iteration decodes at the same positions and commits (writes `out`, `accepted`) like a real one."""
+
+    def fn(st):
+        nxt = round_fn(st)
+        return nxt._replace(n_gen=st.n_gen, done=st.done, n_rounds=st.n_rounds)
+
+    return fn
+
+
+def _fold_tokens(tokens: jax.Array, vocab: int) -> jax.Array:
+    """[B, ...] token ids -> [B] ids depending on every input (feeds a component's output back
+    as the next pending token, so the compiler cannot drop the work that produced it)."""
+    return (jnp.sum(tokens.reshape(tokens.shape[0], -1), axis=1) % vocab).astype(jnp.int32)
+
+
+def round_cost_components(engines: dict, ar_engine, prompt: Sequence[int], width: int) -> dict:
+    """The compiled-loop components `round_costs` times: {(name, part): (fn, carry)} with parts
+    "step" (ar), "draft", "verify" and "round" (each speculative engine), batch 1 on `prompt`.
+
+    Every component's result feeds the next iteration (drafts and the verify pass's argmax become
+    the next pending token), so nothing it computes is dead code: a pass whose logits went unused
+    would be timed without its LM head. The round is the decoding loop's own round function, kept
+    running (`_kept_running`)."""
     from m2r2_jax.decoding import speculative as SP
 
     toks, lengths, valid = api.pad_batch([prompt], 1, width)
     keys = api.sequence_keys(0, [0])
     tau = jnp.float32(0.5)
     st_ar = api.prefill_batch(ar_engine.spec, ar_engine.params, toks, lengths, keys, valid)
-    components = {("ar", "step"): (api._round_fn(ar_engine.spec, ar_engine.params, tau), st_ar)}
+    components = {("ar", "step"): (_kept_running(api._round_fn(ar_engine.spec, ar_engine.params, tau)), st_ar)}
     for m, engine in engines.items():
         spec, params = engine.spec, engine.params
+        vocab = spec.cfg.vocab_size
         st = api.prefill_batch(spec, params, toks, lengths, keys, valid)
 
-        def draft_phase(st, spec=spec, params=params):
+        def draft_phase(st, spec=spec, params=params, vocab=vocab):
             d = SP.draft(spec.drafter, spec.sampling, spec.gamma, False, params, st, tau, st.keys)
-            return st._replace(cache=d[4], dstate=d[5])
+            return st._replace(cache=d[4], dstate=d[5], pending=_fold_tokens(d[0], vocab))
 
         drafts = SP.draft(spec.drafter, spec.sampling, spec.gamma, False, params, st, tau, st.keys)[0]
 
-        def verify_pass(st, spec=spec, params=params, drafts=drafts):
-            return st._replace(cache=SP.verify(spec.cfg, params, st, st.cache, drafts)[1])
+        def verify_pass(st, spec=spec, params=params, drafts=drafts, vocab=vocab):
+            logits, cache = SP.verify(spec.cfg, params, st, st.cache, drafts)
+            return st._replace(cache=cache, pending=_fold_tokens(jnp.argmax(logits, axis=-1), vocab))
 
         components[(m, "draft")] = (draft_phase, st)
         components[(m, "verify")] = (verify_pass, st)
-    timed = in_graph_seconds(components, repeats)
+        components[(m, "round")] = (_kept_running(api._round_fn(spec, params, tau)), st)
+    return components
+
+
+def round_costs(engines: dict, ar_engine, prompt: Sequence[int], width: int, repeats: int = 7) -> dict:
+    """Seconds of one ar decoding step and, for each speculative engine in `engines` {name: engine},
+    one draft phase (gamma tokens), one verification pass over gamma + 1 positions and one whole
+    round (draft, verify, acceptance, commit), batch 1, all measured side by side inside compiled
+    loops (`in_graph_seconds` over `round_cost_components`).
+    `round_overhead` = (t_round - t_draft - t_verify) / t_ar is what the round costs beyond its two
+    passes timed apart: acceptance, commit, and whatever the compiler does differently when they
+    run in one loop body.
+    Returns {"ar": {"t_ar_step"}, name: {"t_ar_step", "t_draft", "t_verify", "t_round", ratios,
+    spreads}} (ratios in ar steps)."""
+    timed = in_graph_seconds(round_cost_components(engines, ar_engine, prompt, width), repeats)
     t_ar = timed[("ar", "step")]["seconds"]
     out = {"ar": {"t_ar_step": t_ar, "t_ar_step_spread": timed[("ar", "step")]["spread"]}}
     for m, engine in engines.items():
-        d, v = timed[(m, "draft")], timed[(m, "verify")]
-        out[m] = {"t_ar_step": t_ar, "t_draft": d["seconds"], "t_verify": v["seconds"],
-                  "t_draft_spread": d["spread"], "t_verify_spread": v["spread"],
+        d, v, r = timed[(m, "draft")], timed[(m, "verify")], timed[(m, "round")]
+        out[m] = {"t_ar_step": t_ar, "t_draft": d["seconds"], "t_verify": v["seconds"], "t_round": r["seconds"],
+                  "t_draft_spread": d["spread"], "t_verify_spread": v["spread"], "t_round_spread": r["spread"],
                   "draft_cost_per_token": d["seconds"] / engine.spec.gamma / t_ar,
-                  "verify_cost_ratio": v["seconds"] / t_ar}
+                  "verify_cost_ratio": v["seconds"] / t_ar,
+                  "round_cost_ratio": r["seconds"] / t_ar,
+                  "round_overhead": (r["seconds"] - d["seconds"] - v["seconds"]) / t_ar}
     return out
 
 
@@ -253,6 +294,8 @@ def compare_methods(
         ideal = rec["mean_accepted_tokens"] * c["t_ar_step"] / (c["t_draft"] + c["t_verify"])
         rec["ideal_speedup"] = float(ideal)
         rec["efficiency"] = float(rec["speedup_vs_ar"] / ideal)
+        # the same bound with the whole round as compiled (acceptance, commit, pass interplay)
+        rec["ideal_speedup_from_round"] = float(rec["mean_accepted_tokens"] * c["t_ar_step"] / c["t_round"])
         # hardware-independent prediction for a device where verifying gamma+1 tokens costs one step
         rec["ideal_speedup_if_verify_is_one_step"] = api.ideal_speedup(
             rec["mean_accepted_tokens"], gamma, rec["draft_cost_ratio_layers"])
@@ -266,15 +309,16 @@ def distinct_token_fraction(results) -> float:
 
 
 def sampled_comparison(cfg, base_params, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
-                       temperature: float, top_p: float = 1.0, gamma: int = 4, m2r2=None,
+                       temperature: float, top_p: float = 1.0, gamma: int = 4, m2r2=None, draft=None,
                        methods: Sequence[str] = ("ar", "m2r2_spec", "distance_spec"), repeats: int = 3,
-                       progress=None) -> dict:
+                       progress=None, plan=None) -> dict:
     """Speed and acceptance with sampling, side by side with sampled ar. Speculative sampling is
     lossless in distribution (pinned by the decoding tests), so answers differ from ar's draw by
     draw and no identity is checked; the point is acceptance on text that does not loop."""
     width = max(len(p) for p in prompts)
     runners = {m: (api.build_engine(m, cfg, base_params, max_new_tokens=max_new_tokens, temperature=temperature,
-                                    top_p=top_p, gamma=gamma, m2r2=m2r2), 0.5) for m in methods}
+                                    top_p=top_p, gamma=gamma, m2r2=m2r2, draft=draft, plan=plan), 0.5)
+               for m in methods}
     if progress:
         progress(f"speculative sampling (temperature {temperature}): {', '.join(methods)} side by side")
     timed = per_answer_timing_side_by_side(runners, prompts, width, repeats, bar="sampled" if progress else "")

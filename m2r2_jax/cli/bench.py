@@ -28,6 +28,9 @@ flags.DEFINE_integer("repeats", 3, "timing repeats (median kept)", lower_bound=1
 flags.DEFINE_string("out", None, "output directory")
 flags.DEFINE_integer("cpu_cores", 0, "CPU benchmarks: pin the process to the first N cores it may use "
                      "before JAX starts (0: all); see m2r2_jax/bench/cpu_cores.py", lower_bound=0)
+flags.DEFINE_float("temperature", 0.0, "also compare the methods sampled at this temperature, side by side with "
+                   "sampled ar (0: greedy only)", lower_bound=0.0)
+flags.DEFINE_float("top_p", 1.0, "nucleus mass of the sampled comparison")
 flags.mark_flags_as_required(["checkpoint", "out"])
 sharding_flags.define("specdec")
 FLAGS = flags.FLAGS
@@ -42,12 +45,14 @@ def main(argv):
     from m2r2_jax.bench.cpu_cores import pin_to_cores
     from m2r2_jax.bench.demo import _device, _write_json
     from m2r2_jax.bench.prompts import load_prompt_set
-    from m2r2_jax.bench.speculative import SPEC_METHODS, compare_methods
+    from m2r2_jax.bench.speculative import SPEC_METHODS, compare_methods, sampled_comparison
+    from m2r2_jax.decoding.sampling import Sampling
     from m2r2_jax.data.tokenizer import load_tokenizer
     from m2r2_jax.errors import CheckpointError, ConfigError, DataError
     from m2r2_jax.m2r2.loading import load_base_and_m2r2
     from m2r2_jax.models.checkpoint import load_model, tokenizer_path
 
+    Sampling(FLAGS.temperature, FLAGS.top_p).validate()
     if FLAGS.cpu_cores:  # before anything starts JAX's backend
         pin_to_cores(FLAGS.cpu_cores)
     plan = sharding_flags.start(FLAGS)
@@ -77,11 +82,17 @@ def main(argv):
         if max(p) >= base_cfg.vocab_size or min(p) < 0:
             raise DataError(f"prompt {i} has token ids outside the vocabulary [0, {base_cfg.vocab_size})")
     methods = ("ar",) + tuple(m for m in SPEC_METHODS if m != "two_model" or draft is not None)
+    say = lambda m: print(f"[bench] {m}", file=sys.stderr, flush=True)  # noqa: E731
     spec = compare_methods(base_cfg, base_params, prompts, max_new_tokens=FLAGS.max_new_tokens, gamma=FLAGS.gamma,
                            m2r2=(mcfg, m2r2_params), draft=draft, methods=methods, batch_sizes=batch_sizes,
-                           repeats=FLAGS.repeats, plan=plan, progress=lambda m: print(f"[bench] {m}", file=sys.stderr, flush=True))
+                           repeats=FLAGS.repeats, plan=plan, progress=say)
     report = {"device": _device(), "prompts": FLAGS.prompts, "n_prompts": len(prompts),
               "fresh_m2r2_params": fresh, "sharding": plan.describe() if plan else None, "m2r2": mcfg.to_dict(), "speculative": spec}
+    if FLAGS.temperature > 0:
+        report["speculative_sampled"] = sampled_comparison(
+            base_cfg, base_params, prompts, max_new_tokens=FLAGS.max_new_tokens, temperature=FLAGS.temperature,
+            top_p=FLAGS.top_p, gamma=FLAGS.gamma, m2r2=(mcfg, m2r2_params), draft=draft, methods=methods,
+            repeats=FLAGS.repeats, plan=plan, progress=say)
     report["targets"] = R.targets(report)
     out = Path(FLAGS.out)
     import jax

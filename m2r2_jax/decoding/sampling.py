@@ -62,9 +62,22 @@ def probs_from_logits(logits: jax.Array, sampling: Sampling) -> jax.Array:
 
 
 def sample_from_probs(keys: jax.Array, probs: jax.Array) -> jax.Array:
-    """One token per sequence. keys: [B] typed keys; probs: [B, V] (zeros are never drawn)."""
-    logp = jnp.where(probs > 0, jnp.log(jnp.maximum(probs, 1e-38)), -jnp.inf)
-    return jax.vmap(jax.random.categorical)(keys, logp).astype(jnp.int32)
+    """One token per sequence. keys: [B] typed keys; probs: [B, V] (zeros are never drawn).
+
+    Inverse-CDF sampling: one uniform draw per sequence against the running sum of `probs`. It
+    draws from the same distribution as Gumbel-max (`jax.random.categorical`) but needs one random
+    number instead of V; on a CPU that is ~10 us instead of ~90 us per token at V = 2048, a cost
+    every sampled decoding step pays (a speculative round pays it once per draft).
+    The chosen token is the first one with a positive probability whose running sum reaches
+    u * total, u in (0, 1]; the target never exceeds the largest running sum over positive
+    probabilities, so such a token always exists, whatever the rounding of the sum."""
+    probs = probs.astype(jnp.float32)
+    u = 1.0 - jax.vmap(lambda k: jax.random.uniform(k, ()))(keys)  # (0, 1]
+    positive = probs > 0
+    cdf = jnp.cumsum(probs, axis=-1)
+    total = jnp.max(jnp.where(positive, cdf, 0.0), axis=-1)
+    hit = positive & (cdf >= (u * total)[:, None])
+    return jnp.argmax(hit, axis=-1).astype(jnp.int32)
 
 
 def select(keys: jax.Array, logits: jax.Array, sampling: Sampling) -> jax.Array:

@@ -42,7 +42,8 @@ def test_bench_cli_pinned_to_one_core(tmp_path):
     prompts.write_text("".join(json.dumps({"tokens": [1 + i, 5, 7 + i]}) + "\n" for i in range(2)))
     out = tmp_path / "out"
     r = run_m2r2(["bench", f"--checkpoint={base}", f"--m2r2={m2r2}", f"--prompts={prompts}", f"--out={out}",
-                  "--cpu_cores=1", "--batch_sizes=1", "--max_new_tokens=6", "--repeats=1", "--gamma=2"])
+                  "--cpu_cores=1", "--batch_sizes=1", "--max_new_tokens=6", "--repeats=1", "--gamma=2",
+                  "--temperature=0.8"])
     assert r.returncode == 0, r.stderr[-2000:]
     rep = json.loads((out / "report.json").read_text())
     assert rep["device"]["cpu_cores_in_use"] == 1
@@ -50,3 +51,9 @@ def test_bench_cli_pinned_to_one_core(tmp_path):
     assert set(spec) == {"ar", "m2r2_spec", "distance_spec"}
     assert spec["m2r2_spec"]["identical_to_ar"] and spec["distance_spec"]["identical_to_ar"]
     assert len(spec["m2r2_spec"]["speedup_vs_ar_per_answer"]) == 2
+    sampled = rep["speculative_sampled"]
+    assert sampled["temperature"] == 0.8 and set(sampled) >= {"ar", "m2r2_spec", "distance_spec"}
+    assert 1.0 <= sampled["m2r2_spec"]["mean_accepted_tokens"] <= 3.0
+    assert "sampled (temperature 0.8)" in r.stdout
+    bad = run_m2r2(["bench", f"--checkpoint={base}", f"--out={out}", "--top_p=1.5"])
+    assert bad.returncode != 0 and "top_p=1.5 is invalid" in bad.stderr and "Traceback" not in bad.stderr

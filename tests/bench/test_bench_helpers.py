@@ -80,6 +80,10 @@ def test_targets_table_and_plots(tmp_path):
     text = R.table(rep)
     assert "sampled (temperature 0.8)" in text and "m2r2_spec 1.10x, 2.50 accepted" in text and "they loop" in text
     assert "m2r2_spec" in text and "MISSED" in text and "alignment" in text
+    assert "whole round" not in text  # reports from before the round was timed still print
+    rep["speculative"]["m2r2_spec"]["costs"].update(round_cost_ratio=2.9, round_overhead=0.45)
+    rep["speculative"]["m2r2_spec"]["ideal_speedup_from_round"] = 1.31
+    assert "whole round 2.90 ar-steps (+0.45 beyond the two passes), bound 1.31x" in R.table(rep)
     written = R.write_plots(rep, tmp_path)
     assert {p.name for p in written} == {"alignment.png", "speculative.png", "batch_sweep.png", "early_exit.png"}
 

@@ -126,3 +126,42 @@ def test_sampled_comparison_and_distinct_fraction():
     looping = [SequenceResult(tokens=[7, 7, 7, 7], accepted=[], rounds=1, target_layers=0, draft_layers=0),
                SequenceResult(tokens=[1, 2], accepted=[], rounds=1, target_layers=0, draft_layers=0)]
     assert S.distinct_token_fraction(looping) == pytest.approx((1 / 4 + 1) / 2)
+
+
+def _timing_engines(head_sign: float):
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "decoding"))
+    from decoding_helpers import model, random_m2r2, sharpen
+    from m2r2_jax.decoding import api
+    from m2r2_jax.m2r2.loading import default_m2r2_config
+
+    cfg, params = model("llama", vocab_size=64)
+    params = sharpen(cfg, params, head_sign)
+    mcfg = default_m2r2_config(cfg)
+    m2r2 = (mcfg, random_m2r2(cfg, mcfg, 0))
+    engines = {m: api.build_engine(m, cfg, params, max_new_tokens=12, gamma=2, m2r2=m2r2)
+               for m in ("m2r2_spec", "distance_spec")}
+    return engines, api.build_engine("ar", cfg, params, max_new_tokens=12)
+
+
+def test_round_cost_components_keep_every_pass_live():
+    """Each timed component's result depends on the logits its pass computes (so the compiler
+    cannot drop the LM head from the timing): flipping the sign of the LM head changes every
+    component's output. The round keeps decoding at the same positions however often it runs."""
+    import jax
+
+    comps = [S.round_cost_components(*_timing_engines(sign), [1, 2, 3], width=4) for sign in (1.0, -1.0)]
+    # both signs' functions from the same carry (the first sign's prefill state)
+    outs = [{k: fn(comps[0][k][1]) for k, (fn, _) in c.items()} for c in comps]
+    assert set(outs[0]) == {("ar", "step")} | {(m, p) for m in ("m2r2_spec", "distance_spec")
+                                                for p in ("draft", "verify", "round")}
+    for key in outs[0]:
+        a, b = outs[0][key], outs[1][key]
+        assert (a.pending != b.pending).any() or (a.out != b.out).any(), key
+    engines, ar = _timing_engines(1.0)
+    fn, carry = S.round_cost_components(engines, ar, [1, 2, 3], width=4)[("m2r2_spec", "round")]
+    st = jax.jit(lambda c: fn(fn(fn(c))))(carry)
+    assert int(st.n_gen[0]) == int(carry.n_gen[0]) and not bool(st.done[0])
+    assert int(st.out[0, 1:].astype(bool).sum()) > 0  # the round's commit wrote tokens

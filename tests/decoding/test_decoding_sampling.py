@@ -78,3 +78,36 @@ def test_sample_from_probs_never_draws_zero_probability_tokens():
     probs = jnp.broadcast_to(jnp.array([0.0, 0.5, 0.0, 0.5]), (2000, 4))
     toks = sample_from_probs(jax.random.split(jax.random.key(0), 2000), probs)
     assert set(np.unique(np.asarray(toks))) == {1, 3}
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_sample_from_probs_draws_from_the_given_distribution(seed):
+    # random distributions over 6 tokens, one of them zero and one tiny, one per row
+    rng = np.random.default_rng(seed)
+    p = rng.dirichlet(np.full(6, 0.7))
+    p[rng.integers(6)] = 0.0
+    p[np.argmax(p)] -= 1e-3
+    p[np.argmin(np.where(p > 0, p, 1))] += 1e-3
+    p = p / p.sum()
+    n = 40_000
+    probs = jnp.broadcast_to(jnp.asarray(p, jnp.float32), (n, 6))
+    toks = np.asarray(jax.jit(sample_from_probs)(jax.random.split(jax.random.key(seed), n), probs))
+    counts = np.bincount(toks, minlength=6)
+    assert counts[p == 0].sum() == 0
+    live = p > 0
+    assert stats.chisquare(counts[live], n * p[live]).pvalue > 1e-4
+    # the same check rejects a sampler that is off by a little (mass moved between two tokens)
+    off = p.copy()
+    i, j = np.argsort(-p)[:2]
+    off[i], off[j] = off[i] - 0.02, off[j] + 0.02
+    assert stats.chisquare(counts[live], n * off[live]).pvalue < 1e-4
+
+
+def test_sample_from_probs_edges_of_the_vocabulary_and_unnormalised_rows():
+    v = 50_000
+    first = jnp.zeros((1, v)).at[0, 0].set(1.0)
+    last = jnp.zeros((1, v)).at[0, v - 1].set(3.0)  # not normalised: the row total is used
+    keys = jax.random.split(jax.random.key(0), 64)
+    for probs, want in ((first, 0), (last, v - 1)):
+        toks = jax.vmap(lambda k, p=probs: sample_from_probs(k[None], p)[0])(keys)
+        assert set(np.asarray(toks).tolist()) == {want}
