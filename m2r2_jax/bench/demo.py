@@ -77,6 +77,9 @@ BUDGETS = {
 }
 
 
+SAMPLED_TEMPERATURE = 0.8  # the demo's sampled comparisons (text that does not loop)
+
+
 def _say(msg: str) -> None:
     print(f"[demo] {msg}", file=sys.stderr, flush=True)
 
@@ -196,7 +199,7 @@ def run_demo(out, budget_name: str = "full", force: bool = False, skip_moe: bool
         report["speculative_one_core"] = _one_core_bench(out, dense_dir / "model", m2r2_dir / "m2r2", prompts,
                                                          budget)
     report["speculative_sampled"] = S.sampled_comparison(
-        base_cfg, base_params, prompts, max_new_tokens=budget.max_new_tokens, temperature=0.8, gamma=4,
+        base_cfg, base_params, prompts, max_new_tokens=budget.max_new_tokens, temperature=SAMPLED_TEMPERATURE, gamma=4,
         m2r2=(mcfg, m2r2_params), repeats=budget.repeats, progress=_say)
     timings["speculative_s"] = time.time() - t0
 
@@ -235,7 +238,8 @@ def run_demo(out, budget_name: str = "full", force: bool = False, skip_moe: bool
 
 def _one_core_bench(out: Path, base_dir: Path, m2r2_dir: Path, prompts, budget: Budget) -> dict:
     """ar, m2r2_spec and distance_spec at batch 1 in a child process pinned to one core (see
-    bench/cpu_cores.py: on a small CPU plain decoding is fastest there), side by side as usual."""
+    bench/cpu_cores.py: on a small CPU plain decoding is fastest there), side by side as usual,
+    greedy and sampled at SAMPLED_TEMPERATURE."""
     import subprocess
 
     work = out / "one_core"
@@ -244,17 +248,29 @@ def _one_core_bench(out: Path, base_dir: Path, m2r2_dir: Path, prompts, budget: 
     write_text_atomic(prompt_file, "".join(json.dumps({"tokens": list(p)}) + "\n" for p in prompts))
     cmd = [sys.executable, "-m", "m2r2_jax.cli.main", "bench", "--cpu_cores=1", f"--checkpoint={base_dir}",
            f"--m2r2={m2r2_dir}", f"--prompts={prompt_file}", f"--out={work}", "--batch_sizes=1",
-           f"--max_new_tokens={budget.max_new_tokens}", f"--n_prompts={len(prompts)}", f"--repeats={budget.repeats}"]
+           f"--max_new_tokens={budget.max_new_tokens}", f"--n_prompts={len(prompts)}", f"--repeats={budget.repeats}",
+           f"--temperature={SAMPLED_TEMPERATURE}"]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:]
         raise M2R2Error(f"the one-core benchmark failed: {' '.join(tail)}")
-    rep = json.loads((work / "report.json").read_text())
-    spec = rep["speculative"]
     return {"cpu_cores": 1, "command": " ".join(cmd[1:]),
-            "methods": {m: {k: spec[m][k] for k in ("tokens_per_s", "speedup_vs_ar", "speedup_vs_ar_per_answer",
-                                                      "mean_accepted_tokens", "identical_to_ar")}
-                        for m in spec}}
+            **one_core_summary(json.loads((work / "report.json").read_text()))}
+
+
+def one_core_summary(bench_report: dict) -> dict:
+    """The parts of an `m2r2 bench` report the demo keeps: per method the greedy speed, speedup,
+    acceptance and identity check ("methods") and, when it ran, the sampled comparison ("sampled")."""
+    spec = bench_report["speculative"]
+    out = {"methods": {m: {k: spec[m][k] for k in ("tokens_per_s", "speedup_vs_ar", "speedup_vs_ar_per_answer",
+                                                     "mean_accepted_tokens", "identical_to_ar")}
+                       for m in spec}}
+    sam = bench_report.get("speculative_sampled")
+    if sam:
+        out["sampled"] = {"temperature": sam["temperature"], "top_p": sam["top_p"],
+                          "methods": {m: {k: r[k] for k in ("tokens_per_s", "speedup_vs_ar", "mean_accepted_tokens")}
+                                      for m, r in sam.items() if isinstance(r, dict)}}
+    return out
 
 
 def _sample(cfg, params, tok, prompt: str = "ROMEO.\n", n: int = 80) -> dict:

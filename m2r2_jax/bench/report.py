@@ -58,6 +58,11 @@ def table(report: dict) -> str:
             lines.append(f"  pinned to one core (a separate run): ar {one['ar']['tokens_per_s']:.1f} tok/s; "
                          + ", ".join(f"{m} {r['speedup_vs_ar']:.2f}x ({r['tokens_per_s']:.1f} tok/s)"
                                      for m, r in one.items() if m != "ar"))
+        one_sam = report.get("speculative_one_core", {}).get("sampled")
+        if one_sam:
+            lines.append(f"  pinned to one core, sampled (temperature {one_sam['temperature']}): "
+                         + ", ".join(f"{m} {r['speedup_vs_ar']:.2f}x, {r['mean_accepted_tokens']:.2f} accepted"
+                                     for m, r in one_sam["methods"].items() if m != "ar"))
         sam = report.get("speculative_sampled")
         if sam:
             lines.append(f"  sampled (temperature {sam['temperature']}), side by side with sampled ar: "

@@ -55,5 +55,12 @@ def test_bench_cli_pinned_to_one_core(tmp_path):
     assert sampled["temperature"] == 0.8 and set(sampled) >= {"ar", "m2r2_spec", "distance_spec"}
     assert 1.0 <= sampled["m2r2_spec"]["mean_accepted_tokens"] <= 3.0
     assert "sampled (temperature 0.8)" in r.stdout
+    from m2r2_jax.bench.demo import one_core_summary  # what `make demo` keeps of its one-core run
+
+    kept = one_core_summary(rep)
+    assert set(kept["methods"]) == set(spec) and kept["methods"]["m2r2_spec"]["identical_to_ar"]
+    assert kept["sampled"]["temperature"] == 0.8 and set(kept["sampled"]["methods"]) == {"ar", "m2r2_spec",
+                                                                                        "distance_spec"}
+    assert kept["sampled"]["methods"]["ar"]["speedup_vs_ar"] == 1.0
     bad = run_m2r2(["bench", f"--checkpoint={base}", f"--out={out}", "--top_p=1.5"])
     assert bad.returncode != 0 and "top_p=1.5 is invalid" in bad.stderr and "Traceback" not in bad.stderr

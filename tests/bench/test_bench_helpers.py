@@ -74,7 +74,11 @@ def test_targets_table_and_plots(tmp_path):
     assert t["m2r2_spec_speedup_ge_1.5_one_core"] == {"value": 1.2, "met": False}
     rep["targets"] = t
     text = R.table(rep)
-    assert "pinned to one core" in text and "m2r2_spec 1.20x" in text
+    assert "pinned to one core" in text and "m2r2_spec 1.20x" in text and "one core, sampled" not in text
+    rep["speculative_one_core"]["sampled"] = {"temperature": 0.8, "top_p": 1.0, "methods": {
+        "ar": {"tokens_per_s": 14.0, "speedup_vs_ar": 1.0, "mean_accepted_tokens": 1.0},
+        "m2r2_spec": {"tokens_per_s": 19.7, "speedup_vs_ar": 1.41, "mean_accepted_tokens": 4.36}}}
+    assert "pinned to one core, sampled (temperature 0.8): m2r2_spec 1.41x, 4.36 accepted" in R.table(rep)
     rep["speculative_sampled"] = {"temperature": 0.8, "m2r2_spec": {"speedup_vs_ar": 1.1, "mean_accepted_tokens": 2.5}}
     rep["speculative"]["ar"]["distinct_token_fraction"] = 0.05
     text = R.table(rep)
