@@ -82,7 +82,10 @@ def main(argv):
         if max(p) >= base_cfg.vocab_size or min(p) < 0:
             raise DataError(f"prompt {i} has token ids outside the vocabulary [0, {base_cfg.vocab_size})")
     methods = ("ar",) + tuple(m for m in SPEC_METHODS if m != "two_model" or draft is not None)
-    say = lambda m: print(f"[bench] {m}", file=sys.stderr, flush=True)  # noqa: E731
+
+    def say(msg: str) -> None:
+        print(f"[bench] {msg}", file=sys.stderr, flush=True)
+
     spec = compare_methods(base_cfg, base_params, prompts, max_new_tokens=FLAGS.max_new_tokens, gamma=FLAGS.gamma,
                            m2r2=(mcfg, m2r2_params), draft=draft, methods=methods, batch_sizes=batch_sizes,
                            repeats=FLAGS.repeats, plan=plan, progress=say)
