@@ -51,6 +51,12 @@ def test_bench_cli_pinned_to_one_core(tmp_path):
     assert set(spec) == {"ar", "m2r2_spec", "distance_spec"}
     assert spec["m2r2_spec"]["identical_to_ar"] and spec["distance_spec"]["identical_to_ar"]
     assert len(spec["m2r2_spec"]["speedup_vs_ar_per_answer"]) == 2
+    for m in ("m2r2_spec", "distance_spec"):
+        c = spec[m]["costs"]
+        assert min(c["t_draft"], c["t_verify"], c["t_round"]) > 0  # timings: no ordering asserted (noise)
+        assert c["round_overhead"] == pytest.approx((c["t_round"] - c["t_draft"] - c["t_verify"]) / c["t_ar_step"])
+        assert spec[m]["ideal_speedup_from_round"] == pytest.approx(
+            spec[m]["mean_accepted_tokens"] * c["t_ar_step"] / c["t_round"])
     sampled = rep["speculative_sampled"]
     assert sampled["temperature"] == 0.8 and set(sampled) >= {"ar", "m2r2_spec", "distance_spec"}
     assert 1.0 <= sampled["m2r2_spec"]["mean_accepted_tokens"] <= 3.0
