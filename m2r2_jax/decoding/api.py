@@ -171,8 +171,8 @@ def abstract_batch(batch: int, width: int):
 
 
 def state_shardings(plan, abstract: GenState, batch: int):
-    """Per-leaf shardings of a generation state: 5-D leaves are KV caches (layers, batch, length,
-    kv heads, head_dim); other leaves with a leading batch dimension split over the batch axes;
+    """Per-leaf shardings of a generation state: 5-D leaves are KV caches (layers, batch, kv
+    heads, length, head_dim); other leaves with a leading batch dimension split over the batch axes;
     the rest replicated."""
     from m2r2_jax.models.transformer import CACHE_AXES
 

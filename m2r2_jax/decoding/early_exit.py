@@ -37,7 +37,7 @@ from m2r2_jax.decoding.loop import GenState, commit, pending_positions, round_ke
 from m2r2_jax.decoding.sampling import Sampling, select
 from m2r2_jax.models.config import ModelConfig
 from m2r2_jax.models.layers import DecoderLayer
-from m2r2_jax.models.transformer import cache_write, embed, head, layer_forward, layer_params
+from m2r2_jax.models.transformer import cache_length, cache_write, embed, head, layer_forward, layer_params
 
 
 # --------------------------------------------------------------------------------------------
@@ -55,7 +55,7 @@ def init_window(cfg: ModelConfig, batch: int, width: int, cache_len: int) -> dic
 def _layer_step(cfg: ModelConfig, base, l, x, pos, running, cache, win):
     """Slow layer l for the current tokens x [B, 1, d] of running rows (+ deferred positions waiting
     for layer l). Returns (x_new, cache, win, layers_run [B])."""
-    s = cache["k"].shape[2]
+    s = cache_length(cache)
     lp = layer_params(base, l)
     cur_pos = jnp.where(running, pos, s)[:, None]
     if win is None:
@@ -113,7 +113,7 @@ def _window_full(win, cache_len: int, n_layers: int):
 def _propagate(cfg: ModelConfig, base, cache, state, pos, fill_fn, lo: int):
     """Write layer l's k/v projections of `state` [B, 1, d] at pos for layers l in [lo, N) where
     fill_fn(l) [B] is True (CALM-style copying of the exit state into skipped layers)."""
-    s = cache["k"].shape[2]
+    s = cache_length(cache)
     mod = DecoderLayer(cfg)
 
     def body(l, cache):
@@ -148,7 +148,7 @@ class DistanceExit:
 
     def round(self, sampling: Sampling, max_new: int, eos_id: int, params, tau, st: GenState) -> GenState:
         cfg, base = self.cfg, params["base"]
-        n, s = cfg.n_layers, st.cache["k"].shape[2]
+        n, s = cfg.n_layers, cache_length(st.cache)
         pos = pending_positions(st)
         deferred = self.kv_missing == "deferred"
         win = st.extra if deferred else None
@@ -219,7 +219,7 @@ class M2R2Exit:
         from m2r2_jax.m2r2.fast_stream import exit_head_logits, fast_step, init_traj, visited_layers
 
         cfg, mcfg, base, m2 = self.cfg, self.mcfg, params["base"], params["m2r2"]
-        n, s, bl, k = cfg.n_layers, st.cache["k"].shape[2], mcfg.branch_layer, mcfg.steps(cfg)
+        n, s, bl, k = cfg.n_layers, cache_length(st.cache), mcfg.branch_layer, mcfg.steps(cfg)
         pos = pending_positions(st)
         deferred = self.kv_missing == "deferred"
         win = st.extra if deferred else None

@@ -23,11 +23,11 @@ import jax.numpy as jnp
 
 from m2r2_jax.decoding.sampling import Sampling, select
 from m2r2_jax.models.config import ModelConfig
-from m2r2_jax.models.transformer import forward, init_cache
+from m2r2_jax.models.transformer import cache_length, forward, init_cache
 
 
 class GenState(NamedTuple):
-    cache: dict  # the base model's KV cache [L, B, S, KV, hd]
+    cache: dict  # the base model's KV cache [L, B, KV, S, hd]
     dstate: Any  # a drafter's own state (two_model: the draft model's cache), else ()
     out: jax.Array  # [B, M + C] generated tokens (C = most tokens one round can commit)
     n_gen: jax.Array  # [B] tokens generated so far
@@ -55,7 +55,7 @@ def pending_positions(st: GenState) -> jax.Array:
 
 def write_positions(st: GenState, positions: jax.Array) -> jax.Array:
     """Positions [B, ...] with finished sequences moved to the dropped slot S."""
-    s = st.cache["k"].shape[2]
+    s = cache_length(st.cache)
     done = st.done.reshape(st.done.shape + (1,) * (positions.ndim - 1))
     return jnp.where(done, s, positions)
 

@@ -37,7 +37,7 @@ import jax.numpy as jnp
 from m2r2_jax.decoding.loop import GenState, commit, pending_positions, round_keys, write_positions
 from m2r2_jax.decoding.sampling import Sampling, greedy_accept, probs_from_logits, rejection_accept, sample_from_probs
 from m2r2_jax.models.config import ModelConfig
-from m2r2_jax.models.transformer import embed, forward, head, init_cache, run_layers
+from m2r2_jax.models.transformer import cache_length, embed, forward, head, init_cache, run_layers
 
 
 def _max_prob(logits: jax.Array) -> jax.Array:
@@ -129,7 +129,7 @@ class TwoModelDrafter:
     def first_step(self, params, cache, dstate, prev, pending, positions):
         # prev sits at positions - 1; re-feeding it fills the draft cache's one possible gap (the
         # last draft of a fully accepted round was never fed). Finished rows stay dropped.
-        s = dstate["k"].shape[2]
+        s = cache_length(dstate)
         prev_pos = jnp.where(positions >= s, s, positions - 1)
         toks = jnp.stack([prev, pending], axis=1)
         return self.step(params, cache, dstate, toks, jnp.stack([prev_pos, positions], axis=1))

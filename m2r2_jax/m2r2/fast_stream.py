@@ -152,15 +152,15 @@ def _fast_layer(base: ModelConfig, mcfg: M2R2Config, base_params, sp, j, g, posi
     # attention sub-block
     xn = mod.apply(v, g, method="norm_attn")
     q, k, vv = mod.apply(v, xn, positions, ad, scale, method="qkv")
-    s = cache["k"].shape[2]
+    s = T.cache_length(cache)
     k_pos = jnp.broadcast_to(jnp.arange(s)[None], (g.shape[0], s))
     if train:
         mask = attention_mask(positions, k_pos, base.sliding_window, strict=True)
-        a = attend(q, cache["k"][j], cache["v"][j], mask, k, vv)
+        a = attend(q, *T.layer_kv(cache, j), mask, k, vv)
     else:
         cache = T.cache_write(cache, j, positions, k, vv)
         mask = attention_mask(positions, k_pos, base.sliding_window)
-        a = attend(q, cache["k"][j], cache["v"][j], mask)
+        a = attend(q, *T.layer_kv(cache, j), mask)
     u = mod.apply(v, a, ad, scale, False, method="attn_out")
     z, b_o = _lora(ad, "o_proj", a.reshape(*a.shape[:2], -1))
     g, n = residual_rate_update(g, u, sp["rates"]["attn"], z, b_o, scale,

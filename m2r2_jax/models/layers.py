@@ -115,6 +115,12 @@ def attention_mask(q_pos: Array, k_pos: Array, sliding_window: Optional[int], st
     return mask
 
 
+def heads_major(x: Array) -> Array:
+    """[B, S, KV, hd] (as the projections produce keys and values) -> [B, KV, S, hd] (as the cache
+    holds them and `attend` takes them)."""
+    return jnp.swapaxes(x, 1, 2)
+
+
 def attend(
     q: Array,
     k: Array,
@@ -125,26 +131,31 @@ def attend(
 ) -> Array:
     """Grouped-query attention.
 
-    q: [B, T, H, hd]; k, v: [B, S, KV, hd]; mask: [B, T, S].
+    q: [B, T, H, hd]; k, v: [B, KV, S, hd] (heads before positions, the cache's order: see
+    `heads_major`); mask: [B, T, S].
     With `k_self`/`v_self` ([B, T, KV, hd]) every query also attends to its own key/value (the
     M2R2 fast stream during training: context from the slow stream's cache, plus its own K/V).
     Softmax in float32. Returns [B, T, H, hd].
     """
     b, t, h, hd = q.shape
-    kv = k.shape[2]
+    kv = k.shape[1]
     g = h // kv
+    # Queries as [B, KV, T*G, hd] (t major, g minor): scores and output are then plain batched
+    # matmuls over (batch, kv head) against the cache's [B, KV, S, hd] without transposing it.
     qg = q.reshape(b, t, kv, g, hd).astype(jnp.float32) * (1.0 / math.sqrt(hd))
-    scores = jnp.einsum("btkgd,bskd->bkgts", qg, k.astype(jnp.float32))
-    scores = jnp.where(mask[:, None, None, :, :], scores, NEG_INF)
+    qg = jnp.transpose(qg, (0, 2, 1, 3, 4)).reshape(b, kv, t * g, hd)
+    scores = jnp.einsum("bkqd,bksd->bkqs", qg, k.astype(jnp.float32))
+    scores = jnp.where(jnp.repeat(mask, g, axis=1)[:, None], scores, NEG_INF)
     if k_self is not None:
-        self_score = jnp.einsum("btkgd,btkd->bkgt", qg, k_self.astype(jnp.float32))[..., None]
-        scores = jnp.concatenate([scores, self_score], axis=-1)
+        ks = jnp.repeat(heads_major(k_self).astype(jnp.float32), g, axis=2)  # [B, KV, T*G, hd]
+        scores = jnp.concatenate([scores, jnp.sum(qg * ks, axis=-1, keepdims=True)], axis=-1)
     probs = jax.nn.softmax(scores, axis=-1)
     if k_self is not None:
-        probs, p_self = probs[..., :-1], probs[..., -1]
-    out = jnp.einsum("bkgts,bskd->btkgd", probs, v.astype(jnp.float32))
+        probs, p_self = probs[..., :-1], probs[..., -1:]
+    out = jnp.einsum("bkqs,bksd->bkqd", probs, v.astype(jnp.float32))
     if k_self is not None:
-        out = out + jnp.einsum("bkgt,btkd->btkgd", p_self, v_self.astype(jnp.float32))
+        out = out + p_self * jnp.repeat(heads_major(v_self).astype(jnp.float32), g, axis=2)
+    out = jnp.transpose(out.reshape(b, kv, t, g, hd), (0, 2, 1, 3, 4))
     return out.reshape(b, t, h, hd).astype(q.dtype)
 
 
@@ -190,7 +201,7 @@ class Attention(nn.Module):
     def __call__(self, x, positions):  # used by init only
         q, k, v = self.qkv(x, positions)
         mask = attention_mask(positions, positions, self.cfg.sliding_window)
-        return self.out(attend(q, k, v, mask))
+        return self.out(attend(q, heads_major(k), heads_major(v), mask))
 
 
 # --------------------------------------------------------------------------------------------
@@ -321,7 +332,7 @@ class DecoderLayer(nn.Module):
         xn = self.attn_norm(x)
         q, k, v = self.qkv(xn, positions)
         mask = attention_mask(positions, positions, self.cfg.sliding_window)
-        x = x + self.attn_out(attend(q, k, v, mask))
+        x = x + self.attn_out(attend(q, heads_major(k), heads_major(v), mask))
         _, out, _ = self.mlp_block(self.mlp_norm(x))
         return x + out
 

@@ -9,7 +9,7 @@ Parameter tree (layers stacked on a leading axis of size n_layers):
      "final_norm": {"scale": [d]},
      "lm_head": {"kernel": [d, V]}}        # absent with tied embeddings
 
-KV cache: {"k": [L, B, S, KV, hd], "v": [L, B, S, KV, hd]}. The cache is position-addressed: a
+KV cache: {"k": [L, B, KV, S, hd], "v": [L, B, KV, S, hd]}. The cache is position-addressed: a
 forward writes the K/V of token (b, t) at slot positions[b, t] of every layer it runs and attends
 causally by absolute position, so rolling back is just decoding from an earlier position again
 (stale slots are overwritten before any query can see them). Positions >= S are dropped, which
@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from m2r2_jax.models.config import ModelConfig
-from m2r2_jax.models.layers import DecoderLayer, Embedder, RMSNorm, attend, attention_mask, dtype_of
+from m2r2_jax.models.layers import DecoderLayer, Embedder, RMSNorm, attend, attention_mask, dtype_of, heads_major
 from m2r2_jax.sharding.plan import constrain
 
 Params = dict
@@ -35,7 +35,10 @@ Cache = dict
 # identity unless a sharding plan is in scope.
 HIDDEN_AXES = ("batch", "length", "act_embed")
 LOGITS_AXES = ("batch", "length", "act_vocab")
-CACHE_AXES = ("layers", "cache_batch", "cache_length", "cache_heads", "head_dim")
+# The cache is [layers, batch, kv_heads, length, head_dim]: heads before positions, so one layer's
+# keys and values are already in the order attention contracts them in. Positions before heads
+# made every decoding step transpose each layer's whole cache, a cost that grows with its length.
+CACHE_AXES = ("layers", "cache_batch", "cache_heads", "cache_length", "head_dim")
 
 
 class ForwardAux(NamedTuple):
@@ -76,7 +79,7 @@ def _init_params(cfg: ModelConfig, rng: jax.Array) -> Params:
 def init_cache(cfg: ModelConfig, batch: int, max_len: Optional[int] = None, dtype: Any = None) -> Cache:
     """Zero-filled KV cache for `batch` sequences of up to `max_len` positions."""
     s = max_len or cfg.max_seq_len
-    shape = (cfg.n_layers, batch, s, cfg.n_kv_heads, cfg.head_dim)
+    shape = (cfg.n_layers, batch, cfg.n_kv_heads, s, cfg.head_dim)
     dt = dtype or dtype_of(cfg.dtype)
     return {"k": constrain(jnp.zeros(shape, dt), CACHE_AXES), "v": constrain(jnp.zeros(shape, dt), CACHE_AXES)}
 
@@ -86,11 +89,24 @@ def layer_params(params: Params, layer: int) -> Params:
     return jax.tree.map(lambda a: a[layer], params["layers"])
 
 
+def cache_length(cache: Cache) -> int:
+    """Positions the cache holds (static)."""
+    return cache["k"].shape[3]
+
+
+def layer_kv(cache: Cache, layer):
+    """Keys and values of `layer` (static or traced), each [B, KV, S, hd]."""
+    return cache["k"][layer], cache["v"][layer]
+
+
 def cache_write(cache: Cache, layer, positions: jax.Array, k: jax.Array, v: jax.Array) -> Cache:
-    """Write k/v [B, T, KV, hd] at slots `positions` [B, T] of `layer` (static or traced)."""
-    b = jnp.arange(k.shape[0])[:, None]
-    new_k = cache["k"].at[layer, b, positions].set(k.astype(cache["k"].dtype), mode="drop")
-    new_v = cache["v"].at[layer, b, positions].set(v.astype(cache["v"].dtype), mode="drop")
+    """Write k/v [B, T, KV, hd] at slots `positions` [B, T] of `layer` (static or traced); a slot
+    >= the cache length is dropped (finished sequences write there)."""
+    b = jnp.arange(k.shape[0])[:, None, None]
+    h = jnp.arange(k.shape[2])[None, :, None]
+    p = positions[:, None, :]
+    new_k = cache["k"].at[layer, b, h, p].set(heads_major(k).astype(cache["k"].dtype), mode="drop")
+    new_v = cache["v"].at[layer, b, h, p].set(heads_major(v).astype(cache["v"].dtype), mode="drop")
     return {"k": constrain(new_k, CACHE_AXES), "v": constrain(new_v, CACHE_AXES)}
 
 
@@ -134,13 +150,13 @@ def layer_forward(
     q, k, vv = mod.apply(v, xn, positions, method="qkv")
     if cache is None:
         mask = attention_mask(positions, positions, cfg.sliding_window)
-        a = attend(q, k, vv, mask)
+        a = attend(q, heads_major(k), heads_major(vv), mask)
     else:
         cache = cache_write(cache, layer, positions, k, vv)
-        s = cache["k"].shape[2]
+        s = cache_length(cache)
         k_pos = jnp.broadcast_to(jnp.arange(s)[None], (x.shape[0], s))
         mask = attention_mask(positions, k_pos, cfg.sliding_window)
-        a = attend(q, cache["k"][layer], cache["v"][layer], mask)
+        a = attend(q, *layer_kv(cache, layer), mask)
     x = x + mod.apply(v, a, method="attn_out")
     _, out, router_logits = mod.apply(v, mod.apply(v, x, method="norm_mlp"), method="mlp_block")
     return x + out, cache, router_logits

@@ -107,10 +107,10 @@ def _attn_part(cfg, lp, x, positions, cache, layer):
     xn = mod.apply(v, x, method="norm_attn")
     q, k, vv = mod.apply(v, xn, positions, method="qkv")
     cache = T.cache_write(cache, layer, positions, k, vv)
-    s = cache["k"].shape[2]
+    s = T.cache_length(cache)
     k_pos = jnp.broadcast_to(jnp.arange(s)[None], (x.shape[0], s))
     mask = attention_mask(positions, k_pos, cfg.sliding_window)
-    a = attend(q, cache["k"][layer], cache["v"][layer], mask)
+    a = attend(q, *T.layer_kv(cache, layer), mask)
     x = x + mod.apply(v, a, method="attn_out")
     xn = mod.apply(v, x, method="norm_mlp")
     logits = xn.reshape(-1, cfg.d_model) @ lp["mlp"]["router"]["kernel"].astype(xn.dtype)

@@ -12,6 +12,7 @@ from decoding_helpers import MAX_NEW, model, random_m2r2, reference_cache, run
 from m2r2_jax.decoding import api
 from m2r2_jax.m2r2.config import M2R2Config
 from m2r2_jax.m2r2.fast_stream import draft_cost_layers
+from m2r2_jax.models.transformer import cache_length
 
 PROMPTS = [[1, 2, 3], [4, 5], [9, 10, 11, 12, 13, 14], [6]]
 MCFG = M2R2Config(branch_layer=1, rate=2, lora_rank=4, router_dim=8, router_hidden=8)
@@ -53,13 +54,13 @@ def test_distance_exit_at_the_first_layer_costs_one_layer_per_token_and_fills_sk
         assert r.early_exits == len(r.tokens) - 1
         n = len(p) + len(r.tokens) - 1
         # every layer of every generated position got K/V (propagated from the exit state)
-        k = np.asarray(state.cache["k"][:, i, len(p):n])
-        assert np.all(np.abs(k).sum(axis=(-1, -2)) > 0)
+        k = np.asarray(state.cache["k"][:, i, :, len(p):n])  # [L, KV, positions, hd]
+        assert np.all(np.abs(k).sum(axis=(1, 3)) > 0)
 
 
 def _complete_positions(state, row, n):
     """Positions < n whose slow computation has finished (not waiting in the deferred window)."""
-    s = state.cache["k"].shape[2]
+    s = cache_length(state.cache)
     pos, prog = np.asarray(state.extra["pos"][row]), np.asarray(state.extra["prog"][row])
     waiting = {int(p) for p, g in zip(pos, prog) if p < s and g < state.cache["k"].shape[0]}
     return [t for t in range(n) if t not in waiting], waiting
@@ -77,6 +78,6 @@ def test_deferred_kv_is_exact_once_completed(method, decider, tau):
         done, waiting = _complete_positions(state, i, n)
         assert len(waiting) <= 2
         for name in ("k", "v"):
-            np.testing.assert_allclose(np.asarray(state.cache[name][:, i, done]), np.asarray(ref[name][:, i, done]),
+            np.testing.assert_allclose(np.asarray(state.cache[name][:, i, :, done]), np.asarray(ref[name][:, i, :, done]),
                                        atol=2e-5, rtol=2e-5)
     assert exited > 0  # some tokens really left early, so deferral and flushes were exercised

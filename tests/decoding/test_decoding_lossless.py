@@ -60,7 +60,7 @@ def assert_cache_matches_plain_decoding(cfg, params, prompts, results, state):
     for i, (p, r) in enumerate(zip(prompts, results)):
         n = len(p) + len(r.tokens) - 1  # every committed token but the last one is in the cache
         for name in ("k", "v"):
-            np.testing.assert_allclose(np.asarray(state.cache[name][:, i, :n]), np.asarray(ref[name][:, i, :n]),
+            np.testing.assert_allclose(np.asarray(state.cache[name][:, i, :, :n]), np.asarray(ref[name][:, i, :, :n]),
                                        atol=2e-5, rtol=2e-5, err_msg=f"{name} cache of row {i}")
 
 

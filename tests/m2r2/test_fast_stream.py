@@ -103,15 +103,15 @@ def test_shared_kv_cache_writes_only_visited_layers():
     pos = jnp.full((1, 1), 3)
     out = F.fast_forward(base, mcfg, bp, mp, toks[:, 3:], pos, cache)
     _, slow_cache = T.forward(base, bp, toks[:, 3:], pos, cache)
-    written = np.asarray(jnp.abs(out.cache["k"][:, 0, 3]).sum(axis=(-1, -2)) > 0)
+    written = np.asarray(jnp.abs(out.cache["k"][:, 0, :, 3]).sum(axis=(-1, -2)) > 0)
     visited = set(F.visited_layers(base, mcfg))
     expected = [l < 2 or l in visited for l in range(8)]
     assert written.tolist() == expected
     # exact where shared, different (provisional) where visited
-    np.testing.assert_array_equal(out.cache["k"][:2, 0, 3], slow_cache["k"][:2, 0, 3])
-    assert not np.allclose(out.cache["k"][3, 0, 3], slow_cache["k"][3, 0, 3])
+    np.testing.assert_array_equal(out.cache["k"][:2, 0, :, 3], slow_cache["k"][:2, 0, :, 3])
+    assert not np.allclose(out.cache["k"][3, 0, :, 3], slow_cache["k"][3, 0, :, 3])
     # earlier positions untouched
-    np.testing.assert_array_equal(out.cache["k"][:, :, :3], cache["k"][:, :, :3])
+    np.testing.assert_array_equal(out.cache["k"][:, :, :, :3], cache["k"][:, :, :, :3])
     _, verified = T.forward(base, bp, toks[:, 3:], pos, out.cache)
     np.testing.assert_array_equal(verified["k"], slow_cache["k"])
 

@@ -134,8 +134,8 @@ def test_sharded_engine_places_the_kv_cache_by_batch_and_kv_heads():
     plan = ShardingPlan.from_preset("specdec", mesh="data=4,tensor=2")  # 2 kv heads over tensor=2
     engine = api.build_engine("ar", cfg, base, max_new_tokens=4, plan=plan)
     _, states = api.run_engine(engine, [[1, 2, 3], [4, 5]], batch_size=2, return_states=True)
-    k = states[0].cache["k"]  # [L, B, S, KV, hd]
-    assert tuple(k.sharding.spec)[:4] == (None, "data", None, "tensor")
+    k = states[0].cache["k"]  # [L, B, KV, S, hd]
+    assert tuple(k.sharding.spec)[:4] == (None, "data", "tensor", None)
     wq = engine.params["base"]["layers"]["attn"]["q_proj"]["kernel"]
     assert tuple(wq.sharding.spec) == (None, None, "tensor")
     assert len(states[0].out) == 4  # two prompts, padded with idle rows to the data axis
