@@ -61,6 +61,8 @@ class Budget:
     thresholds: tuple
     align_batches: int
     moe_prompts: int
+    gamma_candidates: tuple  # draft lengths the tuning step measures (bench/gamma.py)
+    calibration_prompts: int  # held-out prompts it measures acceptance on (not the benchmark's)
 
 
 BUDGETS = {
@@ -68,12 +70,12 @@ BUDGETS = {
     "full": Budget(dense_steps=150, moe_steps=50, draft_steps=80, distill_steps=240, router_steps=30,
                    moe_distill_steps=30, batch_size=8, seq_len=128, n_prompts=5, prompt_len=32,
                    max_new_tokens=96, batch_sizes=(1, 4, 16), repeats=3, thresholds=(0.5, 0.7, 0.9),
-                   align_batches=4, moe_prompts=3),
+                   align_batches=4, moe_prompts=3, gamma_candidates=(2, 4, 6, 8), calibration_prompts=3),
     # ~3 minutes: the same pipeline, smaller everything
     "tiny": Budget(dense_steps=30, moe_steps=15, draft_steps=15, distill_steps=20, router_steps=10,
                    moe_distill_steps=10, batch_size=8, seq_len=64, n_prompts=3, prompt_len=16,
                    max_new_tokens=16, batch_sizes=(1, 4), repeats=1, thresholds=(0.5, 0.9),
-                   align_batches=1, moe_prompts=2),
+                   align_batches=1, moe_prompts=2, gamma_candidates=(2, 4), calibration_prompts=2),
 }
 
 
@@ -123,13 +125,16 @@ def _distill_cfg(name: str, base_dir: Path, steps: int, router_steps: int, budge
     return cfg
 
 
-def heldout_prompts(tok, n: int, length: int) -> list:
-    """n prompts of `length` tokens from evenly spaced places of the held-out split."""
+def heldout_prompts(tok, n: int, length: int, phase: float = 0.0) -> list:
+    """n prompts of `length` tokens from evenly spaced places of the held-out split, each starting
+    `phase` (0 <= phase < 1) of the spacing after its place: phase 0.5 gives prompts from between
+    those of phase 0 (the gamma tuning's calibration prompts, apart from the benchmark's)."""
     ids = tok.encode(embedded_split("heldout"))
-    if len(ids) < n * length:
+    stride = len(ids) // max(n, 1)
+    if stride < 2 * length:
         raise ConfigError(f"held-out split too small for {n} prompts of {length} tokens")
-    stride = len(ids) // n
-    return [ids[i * stride:i * stride + length] for i in range(n)]
+    start = int(phase * stride)
+    return [ids[i * stride + start:i * stride + start + length] for i in range(n)]
 
 
 def _write_json(path: Path, obj) -> None:
@@ -190,17 +195,20 @@ def run_demo(out, budget_name: str = "full", force: bool = False, skip_moe: bool
 
     t0 = time.time()
     prompts = heldout_prompts(tok, budget.n_prompts, budget.prompt_len)
+    gammas, report["gamma_tuning"] = _tune_gammas(base_cfg, base_params, (mcfg, m2r2_params), draft, tok, budget)
+    timings["gamma_tuning_s"] = time.time() - t0
+    t0 = time.time()
     spec = S.compare_methods(base_cfg, base_params, prompts, max_new_tokens=budget.max_new_tokens,
-                             gamma=4, m2r2=(mcfg, m2r2_params), draft=draft, batch_sizes=budget.batch_sizes,
+                             gamma=gammas, m2r2=(mcfg, m2r2_params), draft=draft, batch_sizes=budget.batch_sizes,
                              repeats=budget.repeats, progress=_say)
     report["speculative"] = spec
     if budget_name == "full" and jax.default_backend() == "cpu" and cores_in_use() > 1:
         _say("speculative: again pinned to one CPU core (m2r2 bench --cpu_cores 1, a fresh process)")
         report["speculative_one_core"] = _one_core_bench(out, dense_dir / "model", m2r2_dir / "m2r2", prompts,
-                                                         budget)
+                                                         budget, gammas)
     report["speculative_sampled"] = S.sampled_comparison(
-        base_cfg, base_params, prompts, max_new_tokens=budget.max_new_tokens, temperature=SAMPLED_TEMPERATURE, gamma=4,
-        m2r2=(mcfg, m2r2_params), repeats=budget.repeats, progress=_say)
+        base_cfg, base_params, prompts, max_new_tokens=budget.max_new_tokens, temperature=SAMPLED_TEMPERATURE,
+        gamma=gammas, m2r2=(mcfg, m2r2_params), repeats=budget.repeats, progress=_say)
     timings["speculative_s"] = time.time() - t0
 
     t0 = time.time()
@@ -236,10 +244,28 @@ def run_demo(out, budget_name: str = "full", force: bool = False, skip_moe: bool
     return report
 
 
-def _one_core_bench(out: Path, base_dir: Path, m2r2_dir: Path, prompts, budget: Budget) -> dict:
+def _tune_gammas(base_cfg, base_params, m2r2, draft, tok, budget: Budget) -> tuple:
+    """Each speculative method's draft length, chosen from its acceptance on held-out calibration
+    prompts (apart from the benchmark's) and its measured round costs (bench/gamma.py).
+    Returns ({method: gamma}, {method: tuning record})."""
+    from m2r2_jax.bench import gamma as G
+
+    calib = heldout_prompts(tok, budget.calibration_prompts, budget.prompt_len, phase=0.5)
+    gammas, records = {}, {}
+    for m in S.SPEC_METHODS:
+        _say(f"draft length of {m}: acceptance at gamma {max(budget.gamma_candidates)} on {len(calib)} calibration "
+             f"prompts, round costs at gamma {', '.join(map(str, budget.gamma_candidates))}")
+        records[m] = G.tune_gamma(m, base_cfg, base_params, calib, max_new_tokens=budget.max_new_tokens,
+                                  candidates=budget.gamma_candidates, m2r2=m2r2, draft=draft)
+        gammas[m] = records[m]["gamma"]
+        _say("  " + G.format_choice(m, records[m]))
+    return gammas, records
+
+
+def _one_core_bench(out: Path, base_dir: Path, m2r2_dir: Path, prompts, budget: Budget, gammas: dict) -> dict:
     """ar, m2r2_spec and distance_spec at batch 1 in a child process pinned to one core (see
     bench/cpu_cores.py: on a small CPU plain decoding is fastest there), side by side as usual,
-    greedy and sampled at SAMPLED_TEMPERATURE."""
+    greedy and sampled at SAMPLED_TEMPERATURE, at the draft lengths tuned on all cores."""
     import subprocess
 
     work = out / "one_core"
@@ -249,7 +275,8 @@ def _one_core_bench(out: Path, base_dir: Path, m2r2_dir: Path, prompts, budget: 
     cmd = [sys.executable, "-m", "m2r2_jax.cli.main", "bench", "--cpu_cores=1", f"--checkpoint={base_dir}",
            f"--m2r2={m2r2_dir}", f"--prompts={prompt_file}", f"--out={work}", "--batch_sizes=1",
            f"--max_new_tokens={budget.max_new_tokens}", f"--n_prompts={len(prompts)}", f"--repeats={budget.repeats}",
-           f"--temperature={SAMPLED_TEMPERATURE}"]
+           f"--temperature={SAMPLED_TEMPERATURE}",
+           "--gamma=" + ",".join(f"{m}={g}" for m, g in gammas.items() if m != "two_model")]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:]
@@ -262,8 +289,9 @@ def one_core_summary(bench_report: dict) -> dict:
     """The parts of an `m2r2 bench` report the demo keeps: per method the greedy speed, speedup,
     acceptance and identity check ("methods") and, when it ran, the sampled comparison ("sampled")."""
     spec = bench_report["speculative"]
-    out = {"methods": {m: {k: spec[m][k] for k in ("tokens_per_s", "speedup_vs_ar", "speedup_vs_ar_per_answer",
-                                                     "mean_accepted_tokens", "identical_to_ar")}
+    out = {"methods": {m: {**{k: spec[m][k] for k in ("tokens_per_s", "speedup_vs_ar", "speedup_vs_ar_per_answer",
+                                                        "mean_accepted_tokens", "identical_to_ar")},
+                           "gamma": spec[m].get("gamma")}
                        for m in spec}}
     sam = bench_report.get("speculative_sampled")
     if sam:

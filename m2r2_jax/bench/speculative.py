@@ -163,15 +163,12 @@ def round_cost_components(engines: dict, ar_engine, prompt: Sequence[int], width
     running (`_kept_running`)."""
     from m2r2_jax.decoding import speculative as SP
 
-    toks, lengths, valid = api.pad_batch([prompt], 1, width)
-    keys = api.sequence_keys(0, [0])
     tau = jnp.float32(0.5)
-    st_ar = api.prefill_batch(ar_engine.spec, ar_engine.params, toks, lengths, keys, valid)
-    components = {("ar", "step"): (_kept_running(api._round_fn(ar_engine.spec, ar_engine.params, tau)), st_ar)}
+    components = {("ar", "step"): round_component(ar_engine, prompt, width)}
     for m, engine in engines.items():
         spec, params = engine.spec, engine.params
         vocab = spec.cfg.vocab_size
-        st = api.prefill_batch(spec, params, toks, lengths, keys, valid)
+        _, st = components[(m, "round")] = round_component(engine, prompt, width)
 
         def draft_phase(st, spec=spec, params=params, vocab=vocab):
             d = SP.draft(spec.drafter, spec.sampling, spec.gamma, False, params, st, tau, st.keys)
@@ -185,8 +182,17 @@ def round_cost_components(engines: dict, ar_engine, prompt: Sequence[int], width
 
         components[(m, "draft")] = (draft_phase, st)
         components[(m, "verify")] = (verify_pass, st)
-        components[(m, "round")] = (_kept_running(api._round_fn(spec, params, tau)), st)
     return components
+
+
+def round_component(engine, prompt: Sequence[int], width: int, tau: float = 0.5):
+    """(fn, carry) for `in_graph_seconds`: one decoding round of `engine` (an ar step, or a whole
+    speculative round: draft, verify, acceptance, commit), kept running at the positions after the
+    prefill of `prompt` (batch 1)."""
+    toks, lengths, valid = api.pad_batch([prompt], 1, width)
+    keys = api.sequence_keys(0, [0])
+    st = api.prefill_batch(engine.spec, engine.params, toks, lengths, keys, valid)
+    return _kept_running(api._round_fn(engine.spec, engine.params, jnp.float32(tau))), st
 
 
 def round_costs(engines: dict, ar_engine, prompt: Sequence[int], width: int, repeats: int = 7) -> dict:
@@ -229,7 +235,7 @@ def compare_methods(
     prompts: Sequence[Sequence[int]],
     *,
     max_new_tokens: int,
-    gamma: int = 4,
+    gamma=4,
     m2r2=None,
     draft=None,
     methods: Sequence[str] = ("ar",) + SPEC_METHODS,
@@ -238,14 +244,17 @@ def compare_methods(
     progress=None,
     plan=None,
 ) -> dict:
-    """Greedy speculative decoding side by side with ar. Returns report["speculative"]. `plan`:
-    run every method sharded (`sharding.ShardingPlan`, e.g. the specdec preset)."""
+    """Greedy speculative decoding side by side with ar. Returns report["speculative"]. `gamma`:
+    one draft length for every method or {method: gamma} (see `bench.gamma`). `plan`: run every
+    method sharded (`sharding.ShardingPlan`, e.g. the specdec preset)."""
+    from m2r2_jax.bench.gamma import gamma_of
+
     width = max(len(p) for p in prompts)
     engines = {}
     for m in methods:
         if m == "two_model" and draft is None:
             continue
-        engines[m] = api.build_engine(m, cfg, base_params, max_new_tokens=max_new_tokens, gamma=gamma,
+        engines[m] = api.build_engine(m, cfg, base_params, max_new_tokens=max_new_tokens, gamma=gamma_of(gamma, m),
                                       m2r2=m2r2, draft=draft, plan=plan)
     if progress:
         progress(f"speculative: batch 1, {', '.join(engines)} side by side")
@@ -276,8 +285,8 @@ def compare_methods(
             rec.update(mean_accepted_tokens=1.0, efficiency=1.0)
         else:
             rec["mean_accepted_tokens"] = float(np.mean([a for r in results for a in r.accepted]))
-            rec["acceptance_by_position"] = acceptance_by_position(results, gamma)
-            rec["gamma"] = gamma
+            rec["gamma"] = eng.spec.gamma
+            rec["acceptance_by_position"] = acceptance_by_position(results, rec["gamma"])
             rec["draft_cost_layers"] = float(eng.spec.drafter.cost_per_token())
             rec["draft_cost_ratio_layers"] = api.draft_cost_ratio(eng.spec)
         out[m] = rec
@@ -298,7 +307,7 @@ def compare_methods(
         rec["ideal_speedup_from_round"] = float(rec["mean_accepted_tokens"] * c["t_ar_step"] / c["t_round"])
         # hardware-independent prediction for a device where verifying gamma+1 tokens costs one step
         rec["ideal_speedup_if_verify_is_one_step"] = api.ideal_speedup(
-            rec["mean_accepted_tokens"], gamma, rec["draft_cost_ratio_layers"])
+            rec["mean_accepted_tokens"], rec["gamma"], rec["draft_cost_ratio_layers"])
     return out
 
 
@@ -309,24 +318,28 @@ def distinct_token_fraction(results) -> float:
 
 
 def sampled_comparison(cfg, base_params, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
-                       temperature: float, top_p: float = 1.0, gamma: int = 4, m2r2=None, draft=None,
+                       temperature: float, top_p: float = 1.0, gamma=4, m2r2=None, draft=None,
                        methods: Sequence[str] = ("ar", "m2r2_spec", "distance_spec"), repeats: int = 3,
                        progress=None, plan=None) -> dict:
     """Speed and acceptance with sampling, side by side with sampled ar. Speculative sampling is
     lossless in distribution (pinned by the decoding tests), so answers differ from ar's draw by
-    draw and no identity is checked; the point is acceptance on text that does not loop."""
+    draw and no identity is checked; the point is acceptance on text that does not loop. `gamma`:
+    as in `compare_methods`."""
+    from m2r2_jax.bench.gamma import gamma_of
+
     width = max(len(p) for p in prompts)
     runners = {m: (api.build_engine(m, cfg, base_params, max_new_tokens=max_new_tokens, temperature=temperature,
-                                    top_p=top_p, gamma=gamma, m2r2=m2r2, draft=draft, plan=plan), 0.5)
+                                    top_p=top_p, gamma=gamma_of(gamma, m), m2r2=m2r2, draft=draft, plan=plan), 0.5)
                for m in methods}
     if progress:
         progress(f"speculative sampling (temperature {temperature}): {', '.join(methods)} side by side")
     timed = per_answer_timing_side_by_side(runners, prompts, width, repeats, bar="sampled" if progress else "")
     ar_tps = float(np.mean(timed["ar"][1]))
-    out = {"temperature": float(temperature), "top_p": float(top_p), "gamma": gamma}
+    out = {"temperature": float(temperature), "top_p": float(top_p)}
     for m, (results, tps, _) in timed.items():
         acc = [a for r in results for a in r.accepted]
         out[m] = {"tokens_per_s": float(np.mean(tps)), "speedup_vs_ar": float(np.mean(tps)) / ar_tps,
+                  "gamma": runners[m][0].spec.gamma if m != "ar" else None,
                   "mean_accepted_tokens": float(np.mean(acc)) if acc else 1.0,
                   "distinct_token_fraction": distinct_token_fraction(results)}
     return out

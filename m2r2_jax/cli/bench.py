@@ -22,7 +22,12 @@ flags.DEFINE_string("prompts", "mt_bench", "prompt set name or a jsonl file")
 flags.DEFINE_integer("n_prompts", 16, "first N prompts of the set", lower_bound=1)
 flags.DEFINE_integer("max_prompt_tokens", 256, "prompts are cut to their last N tokens", lower_bound=1)
 flags.DEFINE_integer("max_new_tokens", 128, "tokens generated per answer", lower_bound=1)
-flags.DEFINE_integer("gamma", 4, "draft length", lower_bound=1)
+flags.DEFINE_string("gamma", "4", "draft length: N for every method, METHOD=N,... per method, or 'auto': each "
+                    "method's gamma chosen from its acceptance on --calibration_prompts further prompts of the set "
+                    "and its measured round cost at every --gamma_candidates value (m2r2_jax/bench/gamma.py)")
+flags.DEFINE_list("gamma_candidates", ["1", "2", "3", "4", "6", "8"], "draft lengths --gamma auto measures")
+flags.DEFINE_integer("calibration_prompts", 4, "--gamma auto: prompts after the first --n_prompts of the set "
+                     "that acceptance is measured on", lower_bound=1)
 flags.DEFINE_list("batch_sizes", ["1", "4", "16"], "batch sizes of the throughput sweep")
 flags.DEFINE_integer("repeats", 3, "timing repeats (median kept)", lower_bound=1)
 flags.DEFINE_string("out", None, "output directory")
@@ -62,7 +67,16 @@ def main(argv):
         raise ConfigError(f"--batch_sizes={FLAGS.batch_sizes} is invalid: expected integers") from None
     if any(b < 1 for b in batch_sizes):
         raise ConfigError(f"--batch_sizes={FLAGS.batch_sizes} is invalid: expected positive integers")
-    prompts = load_prompt_set(FLAGS.prompts)[: FLAGS.n_prompts]
+    from m2r2_jax.bench import gamma as G
+
+    gamma = G.parse_gamma(FLAGS.gamma, SPEC_METHODS)
+    candidates = G.parse_candidates(FLAGS.gamma_candidates)
+    n_calib = FLAGS.calibration_prompts if gamma == "auto" else 0
+    prompts = load_prompt_set(FLAGS.prompts)
+    if n_calib and len(prompts) < FLAGS.n_prompts + n_calib:
+        raise ConfigError(f"--gamma auto needs {n_calib} calibration prompts after the first --n_prompts="
+                          f"{FLAGS.n_prompts} of {FLAGS.prompts}, which has {len(prompts)}")
+    prompts = prompts[: FLAGS.n_prompts + n_calib]
     base_cfg, base_params, mcfg, m2r2_params, fresh = load_base_and_m2r2(FLAGS.checkpoint, FLAGS.m2r2)
     draft = load_model(FLAGS.draft_checkpoint) if FLAGS.draft_checkpoint else None
     if any(isinstance(p, str) for p in prompts):
@@ -71,7 +85,8 @@ def main(argv):
             raise CheckpointError(f"{FLAGS.checkpoint} has no tokenizer to encode text prompts")
         tok = load_tokenizer(tok_file)
         prompts = [tok.encode(p) if isinstance(p, str) else p for p in prompts]
-    limit = min(FLAGS.max_prompt_tokens, base_cfg.max_seq_len - FLAGS.max_new_tokens - FLAGS.gamma - 1)
+    longest_draft = max(candidates) if gamma == "auto" else max(gamma.values()) if isinstance(gamma, dict) else gamma
+    limit = min(FLAGS.max_prompt_tokens, base_cfg.max_seq_len - FLAGS.max_new_tokens - longest_draft - 1)
     if limit < 1:
         raise ConfigError(f"--max_new_tokens={FLAGS.max_new_tokens} leaves no room for a prompt in the "
                           f"model's context of {base_cfg.max_seq_len}")
@@ -86,15 +101,28 @@ def main(argv):
     def say(msg: str) -> None:
         print(f"[bench] {msg}", file=sys.stderr, flush=True)
 
-    spec = compare_methods(base_cfg, base_params, prompts, max_new_tokens=FLAGS.max_new_tokens, gamma=FLAGS.gamma,
+    prompts, calib = prompts[: len(prompts) - n_calib], prompts[len(prompts) - n_calib:]
+
+    def tune(m):
+        say(f"draft length of {m}: acceptance at gamma {max(candidates)} on {len(calib)} calibration prompts, "
+            f"round costs at gamma {', '.join(map(str, candidates))}")
+        rec = G.tune_gamma(m, base_cfg, base_params, calib, max_new_tokens=FLAGS.max_new_tokens, candidates=candidates,
+                           m2r2=(mcfg, m2r2_params), draft=draft, plan=plan)
+        say("  " + G.format_choice(m, rec))
+        return rec
+
+    gammas, tuning = G.resolve_gammas(gamma, methods, tune)
+    spec = compare_methods(base_cfg, base_params, prompts, max_new_tokens=FLAGS.max_new_tokens, gamma=gammas,
                            m2r2=(mcfg, m2r2_params), draft=draft, methods=methods, batch_sizes=batch_sizes,
                            repeats=FLAGS.repeats, plan=plan, progress=say)
     report = {"device": _device(), "prompts": FLAGS.prompts, "n_prompts": len(prompts),
               "fresh_m2r2_params": fresh, "sharding": plan.describe() if plan else None, "m2r2": mcfg.to_dict(), "speculative": spec}
+    if tuning:
+        report["gamma_tuning"] = tuning
     if FLAGS.temperature > 0:
         report["speculative_sampled"] = sampled_comparison(
             base_cfg, base_params, prompts, max_new_tokens=FLAGS.max_new_tokens, temperature=FLAGS.temperature,
-            top_p=FLAGS.top_p, gamma=FLAGS.gamma, m2r2=(mcfg, m2r2_params), draft=draft, methods=methods,
+            top_p=FLAGS.top_p, gamma=gammas, m2r2=(mcfg, m2r2_params), draft=draft, methods=methods,
             repeats=FLAGS.repeats, plan=plan, progress=say)
     report["targets"] = R.targets(report)
     out = Path(FLAGS.out)

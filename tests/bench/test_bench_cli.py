@@ -39,18 +39,27 @@ def test_bench_cli_pinned_to_one_core(tmp_path):
     mcfg = default_m2r2_config(cfg)
     m2r2 = save_m2r2(tmp_path / "m2r2", mcfg, random_m2r2(cfg, mcfg, 0), cfg, params_fingerprint(cfg, params))
     prompts = tmp_path / "p.jsonl"
-    prompts.write_text("".join(json.dumps({"tokens": [1 + i, 5, 7 + i]}) + "\n" for i in range(2)))
+    prompts.write_text("".join(json.dumps({"tokens": [1 + i, 5, 7 + i]}) + "\n" for i in range(3)))
     out = tmp_path / "out"
+    # draft lengths tuned on the third prompt, benchmarked on the first two
     r = run_m2r2(["bench", f"--checkpoint={base}", f"--m2r2={m2r2}", f"--prompts={prompts}", f"--out={out}",
-                  "--cpu_cores=1", "--batch_sizes=1", "--max_new_tokens=6", "--repeats=1", "--gamma=2",
-                  "--temperature=0.8"])
+                  "--cpu_cores=1", "--batch_sizes=1", "--max_new_tokens=6", "--repeats=1", "--gamma=auto",
+                  "--gamma_candidates=1,2", "--calibration_prompts=1", "--n_prompts=2", "--temperature=0.8"])
     assert r.returncode == 0, r.stderr[-2000:]
     rep = json.loads((out / "report.json").read_text())
     assert rep["device"]["cpu_cores_in_use"] == 1
     spec = rep["speculative"]
     assert set(spec) == {"ar", "m2r2_spec", "distance_spec"}
     assert spec["m2r2_spec"]["identical_to_ar"] and spec["distance_spec"]["identical_to_ar"]
-    assert len(spec["m2r2_spec"]["speedup_vs_ar_per_answer"]) == 2
+    assert len(spec["m2r2_spec"]["speedup_vs_ar_per_answer"]) == 2 and rep["n_prompts"] == 2
+    tuning = rep["gamma_tuning"]
+    assert set(tuning) == {"m2r2_spec", "distance_spec"}
+    for m, rec in tuning.items():
+        assert rec["candidates"] == [1, 2] and rec["calibration_prompts"] == 1
+        assert spec[m]["gamma"] == rec["gamma"] == rep["speculative_sampled"][m]["gamma"]
+        assert len(spec[m]["acceptance_by_position"]) == rec["gamma"]
+    assert "draft length m2r2_spec: gamma" in r.stdout
+    assert (out / "gamma.png").is_file()
     for m in ("m2r2_spec", "distance_spec"):
         c = spec[m]["costs"]
         assert min(c["t_draft"], c["t_verify"], c["t_round"]) > 0  # timings: no ordering asserted (noise)
@@ -68,5 +77,13 @@ def test_bench_cli_pinned_to_one_core(tmp_path):
     assert kept["sampled"]["temperature"] == 0.8 and set(kept["sampled"]["methods"]) == {"ar", "m2r2_spec",
                                                                                         "distance_spec"}
     assert kept["sampled"]["methods"]["ar"]["speedup_vs_ar"] == 1.0
+    assert kept["methods"]["m2r2_spec"]["gamma"] == spec["m2r2_spec"]["gamma"]
+    short = run_m2r2(["bench", f"--checkpoint={base}", f"--prompts={prompts}", f"--out={out}", "--gamma=auto",
+                      "--n_prompts=3"])
+    assert short.returncode != 0
+    assert "--gamma auto needs 4 calibration prompts after the first --n_prompts=3" in short.stderr
+    assert "Traceback" not in short.stderr
+    bad = run_m2r2(["bench", f"--checkpoint={base}", f"--out={out}", "--gamma=m2r2_spec=0"])
+    assert bad.returncode != 0 and "draft length must be a positive integer" in bad.stderr
     bad = run_m2r2(["bench", f"--checkpoint={base}", f"--out={out}", "--top_p=1.5"])
     assert bad.returncode != 0 and "top_p=1.5 is invalid" in bad.stderr and "Traceback" not in bad.stderr

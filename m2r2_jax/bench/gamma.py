@@ -1,0 +1,142 @@
+"""Choosing the draft length (gamma) of a speculative method from measurements.
+
+The best gamma depends on the drafter (how far ahead it stays right) and on the hardware (what one
+more draft token and one more verified position cost): on an accelerator a wider verification is
+nearly free and long drafts pay; on a small CPU every verified position is real work. So gamma is
+measured, not guessed:
+
+1. *acceptance*: decode calibration prompts once with gamma = G (the largest candidate) and take
+   a_k = P(draft position k accepted), k = 1..G. Drafts at positions 1..g do not depend on how many
+   more follow, so the expected tokens a round commits with any g <= G is E(g) = 1 + a_1 + ... + a_g.
+2. *cost*: time one whole round (draft, verify, acceptance, commit as compiled) at every candidate
+   gamma, and one plain decoding step, in compiled loops side by side (`speculative.in_graph_seconds`).
+3. *choice*: the candidate with the largest predicted speedup E(g) * t_ar / t_round(g).
+
+The calibration prompts should not be the prompts the method is then benchmarked on (the demo and
+`m2r2 bench --gamma auto` take separate ones), or the choice would be fitted to the benchmark.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping, Sequence, Union
+
+import numpy as np
+
+from m2r2_jax.errors import ConfigError
+
+DEFAULT_CANDIDATES = (1, 2, 3, 4, 6, 8)
+
+
+def expected_tokens(acceptance: Sequence[float], g: int) -> float:
+    """Expected tokens one round commits with draft length g (accepted drafts + the target's own
+    token), from per-position acceptance measured with a draft length >= g."""
+    if g > len(acceptance):
+        raise ValueError(f"gamma {g} is beyond the {len(acceptance)} measured draft positions")
+    return 1.0 + float(np.sum(acceptance[:g]))
+
+
+def choose(acceptance: Sequence[float], t_ar: float, t_round: Mapping[int, float]) -> dict:
+    """The candidate with the largest predicted speedup E(g) * t_ar / t_round(g) (ties: the shorter
+    draft). Returns {"gamma", "candidates", "expected_tokens", "t_round", "predicted_speedup"}."""
+    cands = sorted(t_round)
+    exp = [expected_tokens(acceptance, g) for g in cands]
+    pred = [e * t_ar / t_round[g] for e, g in zip(exp, cands)]
+    best = cands[int(np.argmax(pred))]  # argmax keeps the first (shortest) of equal values
+    return {"gamma": best, "candidates": cands, "expected_tokens": exp,
+            "t_round": [t_round[g] for g in cands], "predicted_speedup": pred}
+
+
+def parse_gamma(text: str, methods: Sequence[str]) -> Union[int, str, dict]:
+    """A gamma setting from the command line: "4" (every method), "auto" (tune each method), or
+    "m2r2_spec=8,distance_spec=2" (per method; methods left out use 4)."""
+    text = str(text).strip()
+    if text == "auto":
+        return "auto"
+    if "=" not in text:
+        try:
+            g = int(text)
+        except ValueError:
+            g = 0
+        if g < 1:
+            raise ConfigError(f"--gamma={text!r} is invalid: expected a positive integer, 'auto' or METHOD=N,...")
+        return g
+    out = {}
+    for item in text.split(","):
+        name, _, value = item.partition("=")
+        name = name.strip()
+        if name not in methods:
+            raise ConfigError(f"--gamma={text!r} is invalid: {name!r} is not one of {', '.join(methods)}")
+        try:
+            out[name] = int(value)
+        except ValueError:
+            out[name] = 0
+        if out[name] < 1:
+            raise ConfigError(f"--gamma={text!r} is invalid: {name}'s draft length must be a positive integer")
+    return out
+
+
+def parse_candidates(values: Sequence[str]) -> tuple:
+    try:
+        cands = tuple(sorted({int(v) for v in values}))
+    except ValueError:
+        cands = ()
+    if not cands or cands[0] < 1:
+        raise ConfigError(f"--gamma_candidates={','.join(map(str, values))} is invalid: expected positive integers")
+    return cands
+
+
+def tune_gamma(method: str, cfg, base_params, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
+               candidates: Sequence[int] = DEFAULT_CANDIDATES, temperature: float = 0.0, top_p: float = 1.0,
+               m2r2=None, draft=None, plan=None, ar_engine=None, repeats: int = 5) -> dict:
+    """Measure acceptance (at the largest candidate) on `prompts` and round costs at every
+    candidate, and choose gamma (see the module docstring). Fixed draft length, batch 1.
+    Returns `choose`'s record plus "acceptance_by_position" and "t_ar_step"."""
+    from m2r2_jax.bench import speculative as S
+    from m2r2_jax.decoding import api
+
+    cands = tuple(sorted(set(int(g) for g in candidates)))
+    if not cands or cands[0] < 1:
+        raise ConfigError(f"gamma candidates {list(candidates)} are invalid: expected positive integers")
+    if not prompts:
+        raise ConfigError("gamma tuning needs at least one calibration prompt")
+    width = max(len(p) for p in prompts)
+
+    def build(m, g=1):
+        return api.build_engine(m, cfg, base_params, max_new_tokens=max_new_tokens, temperature=temperature,
+                                top_p=top_p, gamma=g, m2r2=m2r2, draft=draft, plan=plan)
+
+    engines = {g: build(method, g) for g in cands}
+    results = api.run_engine(engines[cands[-1]], prompts, batch_size=1, width=width, fixed_batch=True)
+    acceptance = S.acceptance_by_position(results, cands[-1])
+    ar_engine = ar_engine or build("ar")
+    components = {("ar", 0): S.round_component(ar_engine, prompts[0], width)}
+    components.update({(method, g): S.round_component(e, prompts[0], width) for g, e in engines.items()})
+    timed = S.in_graph_seconds(components, repeats)
+    t_ar = timed[("ar", 0)]["seconds"]
+    rec = choose(acceptance, t_ar, {g: timed[(method, g)]["seconds"] for g in cands})
+    return {**rec, "acceptance_by_position": acceptance, "t_ar_step": t_ar,
+            "calibration_prompts": len(prompts), "temperature": float(temperature)}
+
+
+def resolve_gammas(gamma, methods: Sequence[str], tune, default: int = 4) -> tuple:
+    """Per-method draft lengths from a `parse_gamma` value. `tune(method)` is called for each
+    speculative method when gamma is "auto" and returns a `tune_gamma` record.
+    Returns ({method: gamma}, {method: tuning record} (empty unless "auto"))."""
+    spec_methods = [m for m in methods if m != "ar"]
+    if gamma == "auto":
+        records = {m: tune(m) for m in spec_methods}
+        return {m: records[m]["gamma"] for m in spec_methods}, records
+    if isinstance(gamma, Mapping):
+        return {m: int(gamma.get(m, default)) for m in spec_methods}, {}
+    return {m: int(gamma) for m in spec_methods}, {}
+
+
+def gamma_of(gamma: Union[int, Mapping], method: str, default: int = 4) -> int:
+    return int(gamma.get(method, default)) if isinstance(gamma, Mapping) else int(gamma)
+
+
+def format_choice(method: str, rec: dict, digits: int = 2) -> str:
+    """One line: "m2r2_spec: gamma 6 (predicted 1.52x; g=1 1.10x, g=2 ...)"."""
+    parts = ", ".join(f"g={g} {p:.{digits}f}x" for g, p in zip(rec["candidates"], rec["predicted_speedup"]))
+    best = rec["predicted_speedup"][rec["candidates"].index(rec["gamma"])]
+    return f"{method}: gamma {rec['gamma']} (predicted {best:.{digits}f}x; {parts})"
