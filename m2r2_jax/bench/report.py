@@ -210,31 +210,31 @@ def write_plots(report: dict, out) -> list:
             axes[0].plot([rec["gamma"]], [rec["predicted_speedup"][rec["candidates"].index(rec["gamma"])]], "*",
                          color=f"C{i}", ms=14)
             axes[1].plot(rec["candidates"], [t / rec["t_ar_step"] for t in rec["t_round"]], "o-", color=f"C{i}", label=m)
-        axes[0].set_ylabel("predicted speedup over ar (star: chosen)")
-        axes[1].set_ylabel("one round, in ar steps (measured)")
-        for ax in axes:
-            ax.set_xlabel("draft length gamma")
-            ax.grid(alpha=0.3)
-            ax.legend()
-        fig.suptitle("draft length from acceptance (calibration prompts) and measured round costs")
-        fig.tight_layout()
-        fig.savefig(out / "gamma.png", dpi=110)
-        plt.close(fig)
-        written.append(out / "gamma.png")
+        written.append(_save_panels(fig, axes, out / "gamma.png", "draft length gamma",
+                                    ("predicted speedup over ar (star: chosen)", "one round, in ar steps (measured)"),
+                                    "draft length from acceptance (calibration prompts) and measured round costs"))
     ee = report.get("early_exit")
     if ee:
         fig, axes = plt.subplots(1, 2, figsize=(10, 4))
         for m, rows in ee.items():
             axes[0].plot([r["speedup"] for r in rows], [r["rouge_l"] for r in rows], "o-", label=m)
             axes[1].plot([r["speedup"] for r in rows], [r["agreement"] for r in rows], "o-", label=m)
-        for ax, name in zip(axes, ("ROUGE-L", "token agreement")):
-            ax.set_xlabel("speedup over ar")
-            ax.set_ylabel(name)
-            ax.grid(alpha=0.3)
-            ax.legend()
-        fig.suptitle("early exit: quality vs speed (threshold sweep)")
-        fig.tight_layout()
-        fig.savefig(out / "early_exit.png", dpi=110)
-        plt.close(fig)
-        written.append(out / "early_exit.png")
+        written.append(_save_panels(fig, axes, out / "early_exit.png", "speedup over ar", ("ROUGE-L", "token agreement"),
+                                    "early exit: quality vs speed (threshold sweep)"))
     return written
+
+
+def _save_panels(fig, axes, path: Path, xlabel: str, ylabels, title: str) -> Path:
+    """Label, grid and legend every panel, title the figure, write it to `path` and close it."""
+    import matplotlib.pyplot as plt
+
+    for ax, ylabel in zip(axes, ylabels):
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

@@ -12,6 +12,7 @@ from m2r2_jax.bench.cpu_cores import pin_to_cores
 from m2r2_jax.errors import ConfigError
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "cli"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "decoding"))
 from cli_helpers import run_m2r2  # noqa: E402
 
 

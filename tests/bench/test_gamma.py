@@ -1,6 +1,9 @@
 """Draft-length tuning: expected tokens from per-position acceptance, the choice rule, the command
 line syntax, and a real tuning run on a tiny model (acceptance consistent with a plain run)."""
 
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -9,6 +12,8 @@ from hypothesis import strategies as st
 from m2r2_jax.bench import gamma as G
 from m2r2_jax.bench import report as R
 from m2r2_jax.errors import ConfigError
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "decoding"))
 
 
 def test_expected_tokens_and_choice():
