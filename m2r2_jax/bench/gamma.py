@@ -53,26 +53,28 @@ def parse_gamma(text: str, methods: Sequence[str]) -> Union[int, str, dict]:
     if text == "auto":
         return "auto"
     if "=" not in text:
-        try:
-            g = int(text)
-        except ValueError:
-            g = 0
-        if g < 1:
+        if _positive_int(text) is None:
             raise ConfigError(f"--gamma={text!r} is invalid: expected a positive integer, 'auto' or METHOD=N,...")
-        return g
+        return _positive_int(text)
     out = {}
     for item in text.split(","):
         name, _, value = item.partition("=")
         name = name.strip()
         if name not in methods:
             raise ConfigError(f"--gamma={text!r} is invalid: {name!r} is not one of {', '.join(methods)}")
-        try:
-            out[name] = int(value)
-        except ValueError:
-            out[name] = 0
-        if out[name] < 1:
+        out[name] = _positive_int(value)
+        if out[name] is None:
             raise ConfigError(f"--gamma={text!r} is invalid: {name}'s draft length must be a positive integer")
     return out
+
+
+def _positive_int(text: str):
+    """int(text) when that is a positive integer, else None."""
+    try:
+        v = int(text)
+    except ValueError:
+        return None
+    return v if v >= 1 else None
 
 
 def parse_candidates(values: Sequence[str]) -> tuple:
@@ -87,7 +89,7 @@ def parse_candidates(values: Sequence[str]) -> tuple:
 
 def tune_gamma(method: str, cfg, base_params, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
                candidates: Sequence[int] = DEFAULT_CANDIDATES, temperature: float = 0.0, top_p: float = 1.0,
-               m2r2=None, draft=None, plan=None, ar_engine=None, repeats: int = 5) -> dict:
+               m2r2=None, draft=None, plan=None, repeats: int = 5) -> dict:
     """Measure acceptance (at the largest candidate) on `prompts` and round costs at every
     candidate, and choose gamma (see the module docstring). Fixed draft length, batch 1.
     Returns `choose`'s record plus "acceptance_by_position" and "t_ar_step"."""
@@ -108,8 +110,7 @@ def tune_gamma(method: str, cfg, base_params, prompts: Sequence[Sequence[int]], 
     engines = {g: build(method, g) for g in cands}
     results = api.run_engine(engines[cands[-1]], prompts, batch_size=1, width=width, fixed_batch=True)
     acceptance = S.acceptance_by_position(results, cands[-1])
-    ar_engine = ar_engine or build("ar")
-    components = {("ar", 0): S.round_component(ar_engine, prompts[0], width)}
+    components = {("ar", 0): S.round_component(build("ar"), prompts[0], width)}
     components.update({(method, g): S.round_component(e, prompts[0], width) for g, e in engines.items()})
     timed = S.in_graph_seconds(components, repeats)
     t_ar = timed[("ar", 0)]["seconds"]

@@ -38,7 +38,7 @@ def _accepted_at_equal_gamma(report: dict, m: dict, d: dict) -> dict:
     when both used one gamma, else from the gamma tuning's acceptance curves at m2r2_spec's gamma."""
     tuning = report.get("gamma_tuning", {})
     g = m.get("gamma")
-    if m.get("gamma") != d.get("gamma") and {"m2r2_spec", "distance_spec"} <= set(tuning):
+    if g != d.get("gamma") and {"m2r2_spec", "distance_spec"} <= set(tuning):
         acc = [expected_tokens(tuning[k]["acceptance_by_position"], min(g, len(tuning[k]["acceptance_by_position"])))
                for k in ("m2r2_spec", "distance_spec")]
         return {"value": acc, "gamma": g, "source": "gamma tuning (calibration prompts)", "met": acc[0] > acc[1]}
