@@ -15,3 +15,8 @@ class CheckpointError(M2R2Error):
 
 class DataError(M2R2Error):
     """Input data (corpus, jsonl, tokens, prompts) is unusable."""
+
+
+class Preempted(Exception):
+    """A training stage stopped early (SIGTERM, a planned stop) with its state checkpointed: not a
+    failure and not the user's input; rerunning the same command resumes from the checkpoint."""

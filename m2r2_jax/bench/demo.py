@@ -30,7 +30,7 @@ from m2r2_jax.bench import report as R
 from m2r2_jax.bench import speculative as S
 from m2r2_jax.data.corpus import embedded_split
 from m2r2_jax.data.tokenizer import load_tokenizer
-from m2r2_jax.errors import ConfigError, M2R2Error
+from m2r2_jax.errors import ConfigError, M2R2Error, Preempted
 from m2r2_jax.m2r2 import analysis
 from m2r2_jax.m2r2.checkpoint import load_m2r2
 from m2r2_jax.m2r2.distill import distill, heldout_batches
@@ -91,7 +91,9 @@ def _hash(obj) -> str:
 
 
 def _artifact(root: Path, name: str, cfg_json: dict, build, force: bool) -> Path:
-    """Run `build(workdir)` once per config; reuse its result (marked by DONE) afterwards."""
+    """Run `build(workdir)` once per config; reuse its result (marked by DONE) afterwards. A build
+    that reports itself preempted (a training summary with "preempted": SIGTERM stopped it after a
+    checkpoint) is not done: `Preempted` is raised and a rerun resumes it from its checkpoints."""
     key = f"{name}-{_hash(cfg_json)}"
     workdir = root / key
     done = workdir / "DONE"
@@ -101,7 +103,10 @@ def _artifact(root: Path, name: str, cfg_json: dict, build, force: bool) -> Path
     if force and workdir.exists():
         shutil.rmtree(workdir)
     t0 = time.time()
-    build(workdir)
+    summary = build(workdir)
+    if isinstance(summary, dict) and summary.get("preempted"):
+        at = f" at step {summary['step']}" if "step" in summary else ""
+        raise Preempted(f"{name} stopped{at}; its checkpoints are in {workdir}; rerun the same command to resume")
     done.write_text(json.dumps({"seconds": time.time() - t0}))
     return workdir
 

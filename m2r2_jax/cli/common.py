@@ -6,7 +6,7 @@ import sys
 
 from absl import app, flags
 
-from m2r2_jax.errors import M2R2Error
+from m2r2_jax.errors import M2R2Error, Preempted
 
 
 def fail(message: str, code: int = 2):
@@ -35,6 +35,9 @@ def run_verb(main, argv) -> None:
             fail(_os_error_line(e))
         except KeyboardInterrupt:
             fail("interrupted", 130)
+        except Preempted as e:  # SIGTERM stopped a training stage after a checkpoint: resumable
+            print(f"m2r2: preempted: {e}", file=sys.stderr)
+            sys.exit(143)
 
     try:
         app.run(wrapped, argv=argv, flags_parser=_parse_flags)
