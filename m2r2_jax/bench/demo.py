@@ -256,15 +256,13 @@ def _tune_gammas(base_cfg, base_params, m2r2, draft, tok, budget: Budget) -> tup
     from m2r2_jax.bench import gamma as G
 
     calib = heldout_prompts(tok, budget.calibration_prompts, budget.prompt_len, phase=0.5)
-    gammas, records = {}, {}
-    for m in S.SPEC_METHODS:
-        _say(f"draft length of {m}: acceptance at gamma {max(budget.gamma_candidates)} on {len(calib)} calibration "
-             f"prompts, round costs at gamma {', '.join(map(str, budget.gamma_candidates))}")
-        records[m] = G.tune_gamma(m, base_cfg, base_params, calib, max_new_tokens=budget.max_new_tokens,
-                                  candidates=budget.gamma_candidates, m2r2=m2r2, draft=draft)
-        gammas[m] = records[m]["gamma"]
-        _say("  " + G.format_choice(m, records[m]))
-    return gammas, records
+    _say(f"draft lengths: acceptance at gamma {max(budget.gamma_candidates)} on {len(calib)} calibration prompts, "
+         f"round costs at gamma {', '.join(map(str, budget.gamma_candidates))}, every method side by side")
+    records = G.tune_gammas(S.SPEC_METHODS, base_cfg, base_params, calib, max_new_tokens=budget.max_new_tokens,
+                            candidates=budget.gamma_candidates, m2r2=m2r2, draft=draft, bar="draft lengths")
+    for m, rec in records.items():
+        _say("  " + G.format_choice(m, rec))
+    return {m: rec["gamma"] for m, rec in records.items()}, records
 
 
 def _one_core_bench(out: Path, base_dir: Path, m2r2_dir: Path, prompts, budget: Budget, gammas: dict) -> dict:

@@ -87,12 +87,17 @@ def parse_candidates(values: Sequence[str]) -> tuple:
     return cands
 
 
-def tune_gamma(method: str, cfg, base_params, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
-               candidates: Sequence[int] = DEFAULT_CANDIDATES, temperature: float = 0.0, top_p: float = 1.0,
-               m2r2=None, draft=None, plan=None, repeats: int = 5) -> dict:
-    """Measure acceptance (at the largest candidate) on `prompts` and round costs at every
-    candidate, and choose gamma (see the module docstring). Fixed draft length, batch 1.
-    Returns `choose`'s record plus "acceptance_by_position" and "t_ar_step"."""
+def tune_gammas(methods: Sequence[str], cfg, base_params, prompts: Sequence[Sequence[int]], *,
+                max_new_tokens: int, candidates: Sequence[int] = DEFAULT_CANDIDATES, temperature: float = 0.0,
+                top_p: float = 1.0, m2r2=None, draft=None, plan=None, repeats: int = 5, bar: str = "") -> dict:
+    """Choose the draft length of every speculative method in `methods` (see the module
+    docstring): acceptance at the largest candidate on `prompts`, then one round of every
+    (method, candidate) and one plain step timed side by side in one `in_graph_seconds` call, so
+    every prediction divides by the same measured ar step. Fixed draft length, batch 1. With
+    `bar`, progress bars of that name.
+    Returns {method: `choose`'s record + "acceptance_by_position", "t_ar_step", ...}."""
+    from tqdm.auto import tqdm
+
     from m2r2_jax.bench import speculative as S
     from m2r2_jax.decoding import api
 
@@ -107,25 +112,28 @@ def tune_gamma(method: str, cfg, base_params, prompts: Sequence[Sequence[int]], 
         return api.build_engine(m, cfg, base_params, max_new_tokens=max_new_tokens, temperature=temperature,
                                 top_p=top_p, gamma=g, m2r2=m2r2, draft=draft, plan=plan)
 
-    engines = {g: build(method, g) for g in cands}
-    results = api.run_engine(engines[cands[-1]], prompts, batch_size=1, width=width, fixed_batch=True)
-    acceptance = S.acceptance_by_position(results, cands[-1])
     components = {("ar", 0): S.round_component(build("ar"), prompts[0], width)}
-    components.update({(method, g): S.round_component(e, prompts[0], width) for g, e in engines.items()})
-    timed = S.in_graph_seconds(components, repeats)
+    acceptance = {}
+    for m in tqdm(methods, desc=f"{bar}: acceptance", disable=not bar, leave=False):
+        engines = {g: build(m, g) for g in cands}
+        results = api.run_engine(engines[cands[-1]], prompts, batch_size=1, width=width, fixed_batch=True)
+        acceptance[m] = S.acceptance_by_position(results, cands[-1])
+        components.update({(m, g): S.round_component(e, prompts[0], width) for g, e in engines.items()})
+    timed = S.in_graph_seconds(components, repeats, bar=f"{bar}: round costs" if bar else "")
     t_ar = timed[("ar", 0)]["seconds"]
-    rec = choose(acceptance, t_ar, {g: timed[(method, g)]["seconds"] for g in cands})
-    return {**rec, "acceptance_by_position": acceptance, "t_ar_step": t_ar,
-            "calibration_prompts": len(prompts), "temperature": float(temperature)}
+    return {m: {**choose(acceptance[m], t_ar, {g: timed[(m, g)]["seconds"] for g in cands}),
+                "acceptance_by_position": acceptance[m], "t_ar_step": t_ar, "calibration_prompts": len(prompts),
+                "temperature": float(temperature)}
+            for m in methods}
 
 
 def resolve_gammas(gamma, methods: Sequence[str], tune, default: int = 4) -> tuple:
-    """Per-method draft lengths from a `parse_gamma` value. `tune(method)` is called for each
-    speculative method when gamma is "auto" and returns a `tune_gamma` record.
+    """Per-method draft lengths from a `parse_gamma` value. `tune(spec_methods)` is called when
+    gamma is "auto" and returns `tune_gammas`' records.
     Returns ({method: gamma}, {method: tuning record} (empty unless "auto"))."""
     spec_methods = [m for m in methods if m != "ar"]
     if gamma == "auto":
-        records = {m: tune(m) for m in spec_methods}
+        records = tune(spec_methods)
         return {m: records[m]["gamma"] for m in spec_methods}, records
     if isinstance(gamma, Mapping):
         return {m: int(gamma.get(m, default)) for m in spec_methods}, {}

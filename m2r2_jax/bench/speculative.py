@@ -107,19 +107,24 @@ def batch_throughput_side_by_side(engines: dict, prompts, batch_size: int, width
     return out
 
 
-def in_graph_seconds(components: dict, repeats: int = 7, n_short: int = 2, n_long: int = 18) -> dict:
+def in_graph_seconds(components: dict, repeats: int = 7, n_short: int = 2, n_long: int = 18, bar: str = "") -> dict:
     """Seconds per application of each `fn` (carry -> carry) in `components` {name: (fn, carry)},
     measured inside one compiled loop whose trip count is a runtime argument (one compile per
     component): (t(n_long) - t(n_short)) / (n_long - n_short), so dispatch and host overheads
     cancel. The carry threads the cache through every iteration, so nothing can be hoisted out of
     the loop. The components are timed side by side (order rotating per repeat) and each one's
     short and long runs back to back; the result is the median over repeats of the per-repeat
-    difference. Returns {name: {"seconds": s, "spread": [min, max] over repeats}}."""
+    difference. With `bar`, a progress bar of that name counts compiles and timed repeats.
+    Returns {name: {"seconds": s, "spread": [min, max] over repeats}}."""
+    from tqdm.auto import tqdm
+
+    progress = tqdm(total=len(components) * (1 + repeats), desc=bar, disable=not bar, leave=False)
     looped = {}
     for name, (fn, carry) in components.items():
         f = jax.jit(lambda c, n, fn=fn: jax.lax.fori_loop(0, n, lambda i, c: fn(c), c))
         jax.block_until_ready(f(carry, n_short))  # compile (n is traced: the same program for both)
         looped[name] = (f, carry)
+        progress.update()
     per = {name: [] for name in components}
     names = list(components)
     for r in range(repeats):
@@ -131,6 +136,8 @@ def in_graph_seconds(components: dict, repeats: int = 7, n_short: int = 2, n_lon
                 jax.block_until_ready(f(carry, n))
                 t[n] = time.perf_counter() - t0
             per[name].append(max(t[n_long] - t[n_short], 1e-9) / (n_long - n_short))
+            progress.update()
+    progress.close()
     return {name: {"seconds": float(np.median(v)), "spread": [float(min(v)), float(max(v))]}
             for name, v in per.items()}
 

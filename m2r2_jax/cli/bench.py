@@ -103,13 +103,15 @@ def main(argv):
 
     prompts, calib = prompts[: len(prompts) - n_calib], prompts[len(prompts) - n_calib:]
 
-    def tune(m):
-        say(f"draft length of {m}: acceptance at gamma {max(candidates)} on {len(calib)} calibration prompts, "
-            f"round costs at gamma {', '.join(map(str, candidates))}")
-        rec = G.tune_gamma(m, base_cfg, base_params, calib, max_new_tokens=FLAGS.max_new_tokens, candidates=candidates,
-                           m2r2=(mcfg, m2r2_params), draft=draft, plan=plan)
-        say("  " + G.format_choice(m, rec))
-        return rec
+    def tune(spec_methods):
+        say(f"draft lengths of {', '.join(spec_methods)}: acceptance at gamma {max(candidates)} on {len(calib)} "
+            f"calibration prompts, round costs at gamma {', '.join(map(str, candidates))}")
+        records = G.tune_gammas(spec_methods, base_cfg, base_params, calib, max_new_tokens=FLAGS.max_new_tokens,
+                                candidates=candidates, m2r2=(mcfg, m2r2_params), draft=draft, plan=plan,
+                                bar="draft lengths")
+        for m, rec in records.items():
+            say("  " + G.format_choice(m, rec))
+        return records
 
     gammas, tuning = G.resolve_gammas(gamma, methods, tune)
     spec = compare_methods(base_cfg, base_params, prompts, max_new_tokens=FLAGS.max_new_tokens, gamma=gammas,

@@ -61,11 +61,11 @@ def test_parse_gamma():
             G.parse_candidates(bad)
     gammas, records = G.resolve_gammas({"m2r2_spec": 6}, ("ar",) + methods, tune=None)
     assert gammas == {"m2r2_spec": 6, "distance_spec": 4, "two_model": 4} and records == {}
-    gammas, records = G.resolve_gammas("auto", ("ar", "m2r2_spec"), tune=lambda m: {"gamma": 3, "m": m})
+    gammas, records = G.resolve_gammas("auto", ("ar", "m2r2_spec"), tune=lambda ms: {m: {"gamma": 3, "m": m} for m in ms})
     assert gammas == {"m2r2_spec": 3} and records["m2r2_spec"]["m"] == "m2r2_spec"
 
 
-def test_tune_gamma_on_a_tiny_model():
+def test_tune_gammas_on_a_tiny_model():
     from decoding_helpers import model, random_m2r2
     from m2r2_jax.bench import speculative as S
     from m2r2_jax.decoding import api
@@ -75,7 +75,11 @@ def test_tune_gamma_on_a_tiny_model():
     mcfg = default_m2r2_config(cfg)
     m2r2 = (mcfg, random_m2r2(cfg, mcfg, 0, adapter_scale=0.1))
     prompts = [[1, 5, 7], [3, 9, 2, 4]]
-    rec = G.tune_gamma("m2r2_spec", cfg, params, prompts, max_new_tokens=10, candidates=(3, 1), m2r2=m2r2, repeats=2)
+    records = G.tune_gammas(("m2r2_spec", "distance_spec"), cfg, params, prompts, max_new_tokens=10,
+                            candidates=(3, 1), m2r2=m2r2, repeats=2)
+    assert set(records) == {"m2r2_spec", "distance_spec"}
+    assert records["m2r2_spec"]["t_ar_step"] == records["distance_spec"]["t_ar_step"]  # one shared ar step
+    rec = records["m2r2_spec"]
     assert rec["candidates"] == [1, 3] and rec["gamma"] in (1, 3) and rec["calibration_prompts"] == 2
     assert min(rec["t_round"]) > 0 and rec["t_ar_step"] > 0
     # the acceptance it chose from is that of a plain run at the largest candidate, fixed draft length
@@ -87,7 +91,7 @@ def test_tune_gamma_on_a_tiny_model():
                                                       zip(rec["expected_tokens"], rec["t_round"])])
     assert "m2r2_spec: gamma" in G.format_choice("m2r2_spec", rec)
     with pytest.raises(ConfigError, match="calibration prompt"):
-        G.tune_gamma("m2r2_spec", cfg, params, [], max_new_tokens=10, m2r2=m2r2)
+        G.tune_gammas(("m2r2_spec",), cfg, params, [], max_new_tokens=10, m2r2=m2r2)
 
 
 def test_accepted_tokens_compared_at_equal_gamma():
