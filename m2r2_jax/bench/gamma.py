@@ -53,9 +53,10 @@ def parse_gamma(text: str, methods: Sequence[str]) -> Union[int, str, dict]:
     if text == "auto":
         return "auto"
     if "=" not in text:
-        if _positive_int(text) is None:
+        g = _positive_int(text)
+        if g is None:
             raise ConfigError(f"--gamma={text!r} is invalid: expected a positive integer, 'auto' or METHOD=N,...")
-        return _positive_int(text)
+        return g
     out = {}
     for item in text.split(","):
         name, _, value = item.partition("=")
@@ -77,13 +78,14 @@ def _positive_int(text: str):
     return v if v >= 1 else None
 
 
-def parse_candidates(values: Sequence[str]) -> tuple:
+def parse_candidates(values: Sequence, what: str = "--gamma_candidates") -> tuple:
+    """Sorted distinct positive draft lengths from `values` (ints or their strings)."""
     try:
         cands = tuple(sorted({int(v) for v in values}))
     except ValueError:
         cands = ()
     if not cands or cands[0] < 1:
-        raise ConfigError(f"--gamma_candidates={','.join(map(str, values))} is invalid: expected positive integers")
+        raise ConfigError(f"{what}={','.join(map(str, values))} is invalid: expected positive integers")
     return cands
 
 
@@ -101,9 +103,7 @@ def tune_gammas(methods: Sequence[str], cfg, base_params, prompts: Sequence[Sequ
     from m2r2_jax.bench import speculative as S
     from m2r2_jax.decoding import api
 
-    cands = tuple(sorted(set(int(g) for g in candidates)))
-    if not cands or cands[0] < 1:
-        raise ConfigError(f"gamma candidates {list(candidates)} are invalid: expected positive integers")
+    cands = parse_candidates(candidates, "gamma candidates")
     if not prompts:
         raise ConfigError("gamma tuning needs at least one calibration prompt")
     width = max(len(p) for p in prompts)
