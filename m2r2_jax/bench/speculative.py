@@ -179,12 +179,14 @@ def round_cost_components(engines: dict, ar_engine, prompt: Sequence[int], width
 
         def draft_phase(st, spec=spec, params=params, vocab=vocab):
             d = SP.draft(spec.drafter, spec.sampling, spec.gamma, False, params, st, tau, st.keys)
-            return st._replace(cache=d[4], dstate=d[5], pending=_fold_tokens(d[0], vocab))
+            live = d.drafts if d.hidden is None else jnp.concatenate(
+                [d.drafts, (d.hidden[..., 0] > 0).astype(jnp.int32)], axis=1)  # the verifier's input too
+            return st._replace(cache=d.cache, dstate=d.dstate, pending=_fold_tokens(live, vocab))
 
-        drafts = SP.draft(spec.drafter, spec.sampling, spec.gamma, False, params, st, tau, st.keys)[0]
+        d = SP.draft(spec.drafter, spec.sampling, spec.gamma, False, params, st, tau, st.keys)
 
-        def verify_pass(st, spec=spec, params=params, drafts=drafts, vocab=vocab):
-            logits, cache = SP.verify(spec.cfg, params, st, st.cache, drafts)
+        def verify_pass(st, spec=spec, params=params, drafts=d.drafts, hidden=d.hidden, vocab=vocab):
+            logits, cache = SP.verify(spec.cfg, params, st, st.cache, drafts, hidden, spec.drafter.shared_layers)
             return st._replace(cache=cache, pending=_fold_tokens(jnp.argmax(logits, axis=-1), vocab))
 
         components[(m, "draft")] = (draft_phase, st)

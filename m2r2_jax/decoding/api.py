@@ -23,7 +23,8 @@ EOS or at max_new_tokens), `accepted` (speculative methods: per verification rou
 + 1 -- the tokens one verification produced before EOS/length truncation; empty otherwise), `rounds`
 (verification rounds; decoding steps after the prefill for ar and early exit), `target_layers`
 (base-model layers run per token, summed: layer x token evaluations after the prefill; a verify
-pass over G+1 positions counts (G+1) x N), `draft_layers` (drafter layer-equivalents summed over
+pass over G+1 positions counts (G+1) x N less the shared layers a self-drafter already ran for G
+of them, `speculative.verify_layers`), `draft_layers` (drafter layer-equivalents summed over
 draft steps: E per step for distance_spec, `draft_cost_layers` for M2R2, the draft model's own
 layer count for two_model; fast steps for m2r2_exit), and `layers_per_token`.
 
@@ -194,7 +195,7 @@ def prefill_batch(spec: EngineSpec, params, prompts, lengths, keys, valid) -> Ge
 
 @functools.partial(jax.jit, static_argnums=0)
 def draft_round(spec: EngineSpec, params, st: GenState, tau):
-    """Drafting of one speculative round: (drafts [B,G], q or None, draft_len, steps, cache, dstate)."""
+    """Drafting of one speculative round: a `speculative.Draft`."""
     from m2r2_jax.decoding.loop import round_keys
 
     k_draft = jax.vmap(lambda k: jax.random.split(k, 2)[0])(round_keys(st.keys, st.it + 1))
@@ -202,9 +203,10 @@ def draft_round(spec: EngineSpec, params, st: GenState, tau):
 
 
 @functools.partial(jax.jit, static_argnums=0)
-def verify_pass(spec: EngineSpec, params, st: GenState, cache, drafts):
-    """The slow verification pass of one round: (logits [B, G+1, V], cache)."""
-    return speculative.verify(spec.cfg, params, st, cache, drafts)
+def verify_pass(spec: EngineSpec, params, st: GenState, cache, drafts, hidden=None):
+    """The slow verification pass of one round (`hidden`: the draft's shared-layer output, see
+    `speculative.verify`): (logits [B, G+1, V], cache)."""
+    return speculative.verify(spec.cfg, params, st, cache, drafts, hidden, spec.drafter.shared_layers)
 
 
 @functools.partial(jax.jit, static_argnums=0)
@@ -285,10 +287,14 @@ def build_engine(
     deferred_window: int = 8,
     accept_fn: Optional[Callable] = None,
     plan=None,
+    reuse_shared_layers: bool = True,
 ) -> Engine:
     """Validate the options and assemble the static spec + parameter tree of one method. With a
     `plan` (`sharding.ShardingPlan`, e.g. the specdec preset) the parameters are placed on its
-    mesh by their logical axes and every batch runs sharded (same tokens as unsharded)."""
+    mesh by their logical axes and every batch runs sharded (same tokens as unsharded).
+    `reuse_shared_layers` (m2r2_spec, distance_spec): the verification pass takes the drafter's
+    exact output of the base layers it shares (M2R2's b branch layers, distance_spec's E) instead
+    of running them again; off only to measure what that saves."""
     if method not in METHODS:
         raise ConfigError(f"method={method!r} is invalid: expected one of {', '.join(METHODS)}")
     if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens <= 0:
@@ -312,12 +318,12 @@ def build_engine(
         e = distance_exit_layer(cfg, mcfg.validate(cfg)) if exit_layer is None else int(exit_layer)
         if not (1 <= e <= cfg.n_layers):
             raise ConfigError(f"exit_layer={exit_layer!r} is invalid: expected 1..n_layers={cfg.n_layers}")
-        drafter = speculative.DistanceDrafter(cfg, e)
+        drafter = speculative.DistanceDrafter(cfg, e, bool(reuse_shared_layers))
     elif method in ("m2r2_spec", "m2r2_exit"):
         mcfg, m2r2_params = _default_m2r2(cfg, m2r2)
         mcfg.validate(cfg)
         if method == "m2r2_spec":
-            drafter = speculative.M2R2Drafter(cfg, mcfg)
+            drafter = speculative.M2R2Drafter(cfg, mcfg, bool(reuse_shared_layers))
             params["m2r2"] = m2r2_params
         else:
             drafter = early_exit.M2R2Exit(cfg, mcfg, kv_missing, int(deferred_window))

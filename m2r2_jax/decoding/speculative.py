@@ -6,7 +6,11 @@ A round, from the pending token t at position n (the last committed token, K/V n
    step i feeds d_{i-1}); with a dynamic draft length a sequence stops proposing at the first
    draft whose confidence is below tau (that draft is not proposed);
 2. *verify*: one base-model forward over [t, d_0..d_{G-1}] at positions n..n+G writes exact K/V
-   for all layers and gives the target distributions p_0..p_G;
+   for all layers and gives the target distributions p_0..p_G. A self-drafter runs the base's
+   first `shared_layers` layers exactly for every token it feeds (t, d_0..d_{G-2}) and hands their
+   output to the verifier, which then runs those layers for d_{G-1} alone and the rest over all
+   G+1 positions: the same function, with the shared layers' work done once per token instead of
+   twice (their K/V is already in the cache);
 3. *accept*: exact match at temperature 0, rejection sampling otherwise (`sampling.py`);
 4. *commit* the accepted drafts plus one token from the target (correction or bonus). Rolling back
    needs no copy: the cache is position-addressed, so the rejected drafts' slots are simply
@@ -16,9 +20,11 @@ Drafters (frozen, hashable: they are static arguments of the jitted loop):
 
 - `M2R2Drafter`: the fast residual stream (`m2r2.fast_stream.fast_forward`); it shares the base
   cache (layers < b exact, visited layers provisional until the verify pass overwrites them), and
-  its router's exit logit is the confidence for dynamic draft length.
+  its router's exit logit is the confidence for dynamic draft length. Shared layers: the b
+  branch layers.
 - `DistanceDrafter`: LayerSkip-style self-speculation: the first E base layers + the exit head
   (final norm + LM head, optional learned exit-norm scale); writes exact K/V for those E layers.
+  Shared layers: those E.
 - `TwoModelDrafter`: a separate small model with its own cache. Its first step re-feeds the token
   before t as well, so its cache is complete even after a round that accepted every draft.
 
@@ -29,7 +35,7 @@ probability (temperature 1) for the others.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Optional
+from typing import Any, Callable, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -37,7 +43,19 @@ import jax.numpy as jnp
 from m2r2_jax.decoding.loop import GenState, commit, pending_positions, round_keys, write_positions
 from m2r2_jax.decoding.sampling import Sampling, greedy_accept, probs_from_logits, rejection_accept, sample_from_probs
 from m2r2_jax.models.config import ModelConfig
+from m2r2_jax.models.layers import dtype_of
 from m2r2_jax.models.transformer import cache_length, embed, forward, head, init_cache, run_layers
+
+
+class Draft(NamedTuple):
+    drafts: jax.Array  # [B, G] proposed tokens
+    q: Optional[jax.Array]  # [B, G, V] draft distributions (None when greedy)
+    draft_len: jax.Array  # [B] drafts proposed (dynamic length stops at the first unconfident one)
+    steps: jax.Array  # [B] draft steps each sequence needed
+    cache: dict
+    dstate: Any
+    hidden: Optional[jax.Array]  # [B, G, d] output of the first `shared_layers` base layers for
+    #                              the G tokens fed (t, d_0..d_{G-2}); None for drafters sharing none
 
 
 def _max_prob(logits: jax.Array) -> jax.Array:
@@ -47,13 +65,20 @@ def _max_prob(logits: jax.Array) -> jax.Array:
 class _SelfDrafter:
     """Drafters that run (part of) the base model itself: no state of their own, the base's
     vocabulary, nothing to prefill beyond the shared cache. Subclasses are dataclasses with a
-    `cfg: ModelConfig` field."""
+    `cfg: ModelConfig` field and a `reuse_shared: bool` one (off: the verifier recomputes the
+    shared layers, for side-by-side measurements). `step` returns (logits [B, V], confidence [B],
+    cache, dstate, hidden [B, 1, d]: the output of the first `shared_layers` layers)."""
 
     peel_first = False
 
     @property
     def vocab_size(self) -> int:
         return self.cfg.vocab_size
+
+    @property
+    def shared_layers(self) -> int:
+        """Leading base layers whose exact output `step` returns for the verifier (0: none)."""
+        return self._prefix_layers() if self.reuse_shared else 0
 
     def init_state(self, batch: int, cache_len: int):
         return ()
@@ -69,14 +94,18 @@ class DistanceDrafter(_SelfDrafter):
 
     cfg: ModelConfig
     n_layers: int
+    reuse_shared: bool = True
+
+    def _prefix_layers(self) -> int:
+        return self.n_layers
 
     def step(self, params, cache, dstate, tokens, positions):
-        """tokens, positions [B, 1] -> (logits [B, V], confidence [B], cache, dstate)."""
+        """tokens, positions [B, 1] -> (logits [B, V], confidence [B], cache, dstate, hidden)."""
         base = params["base"]
         x = embed(self.cfg, base, tokens)
         x, cache, _, _ = run_layers(self.cfg, base, x, positions, cache, 0, self.n_layers)
         logits = head(self.cfg, base, x, params.get("exit_norm_scale"))[:, -1]
-        return logits, _max_prob(logits), cache, dstate
+        return logits, _max_prob(logits), cache, dstate, x
 
     def cost_per_token(self) -> float:
         return float(self.n_layers)
@@ -88,6 +117,10 @@ class M2R2Drafter(_SelfDrafter):
 
     cfg: ModelConfig
     mcfg: Any  # m2r2.config.M2R2Config
+    reuse_shared: bool = True
+
+    def _prefix_layers(self) -> int:
+        return self.mcfg.branch_layer
 
     def step(self, params, cache, dstate, tokens, positions):
         from m2r2_jax.m2r2.fast_stream import fast_forward
@@ -95,7 +128,7 @@ class M2R2Drafter(_SelfDrafter):
         out = fast_forward(self.cfg, self.mcfg, params["base"], params["m2r2"], tokens, positions, cache)
         logits = out.logits[:, -1]
         confidence = jax.nn.sigmoid(out.exit_logits[-1, :, -1].astype(jnp.float32))
-        return logits, confidence, out.cache, dstate
+        return logits, confidence, out.cache, dstate, out.branch_state
 
     def cost_per_token(self) -> float:
         from m2r2_jax.m2r2.fast_stream import draft_cost_layers
@@ -109,6 +142,7 @@ class TwoModelDrafter:
 
     draft_cfg: ModelConfig
     peel_first = True
+    shared_layers = 0  # its own model: nothing of the base's computed
 
     @property
     def vocab_size(self) -> int:
@@ -124,7 +158,7 @@ class TwoModelDrafter:
     def step(self, params, cache, dstate, tokens, positions):
         logits, dstate = forward(self.draft_cfg, params["draft"], tokens, positions, dstate)
         logits = logits[:, -1]
-        return logits, _max_prob(logits), cache, dstate
+        return logits, _max_prob(logits), cache, dstate, None
 
     def first_step(self, params, cache, dstate, prev, pending, positions):
         # prev sits at positions - 1; re-feeding it fills the draft cache's one possible gap (the
@@ -138,9 +172,8 @@ class TwoModelDrafter:
         return float(self.draft_cfg.n_layers)
 
 
-def draft(drafter, sampling: Sampling, gamma: int, dynamic: bool, params, st: GenState, tau, keys):
-    """Run up to `gamma` draft steps. Returns (drafts [B, G], q [B, G, V] (None when greedy),
-    draft_len [B], steps [B] draft steps each sequence needed, cache, dstate)."""
+def draft(drafter, sampling: Sampling, gamma: int, dynamic: bool, params, st: GenState, tau, keys) -> Draft:
+    """Run up to `gamma` draft steps (see `Draft` for what comes back)."""
     b = st.pending.shape[0]
     pos0 = pending_positions(st)
     greedy = sampling.greedy
@@ -154,13 +187,18 @@ def draft(drafter, sampling: Sampling, gamma: int, dynamic: bool, params, st: Ge
 
     drafts = jnp.zeros((b, gamma), jnp.int32)
     qs = None if greedy else jnp.zeros((b, gamma, v), jnp.float32)
+    # The shared layers' output per fed token. Steps a dynamic-length loop skips leave zeros: their
+    # positions lie past every sequence's draft_len, so no committed token is verified from them.
+    hidden = None
+    if drafter.shared_layers:
+        hidden = jnp.zeros((b, gamma, drafter.cfg.d_model), dtype_of(drafter.cfg.dtype))
     alive = jnp.ones((b,), bool)
     draft_len = steps = jnp.zeros((b,), jnp.int32)
     cache, dstate, start = st.cache, st.dstate, 0
     if drafter.peel_first:
         # a drafter whose first step differs in shape (two_model re-feeds the previous token)
         wpos = write_positions(st, pos0)
-        logits, conf, cache, dstate = drafter.first_step(params, cache, dstate, st.prev, st.pending, wpos)
+        logits, conf, cache, dstate, _ = drafter.first_step(params, cache, dstate, st.prev, st.pending, wpos)
         tok, q = choose(0, logits)
         alive = (conf >= tau) if dynamic else alive
         drafts = drafts.at[:, 0].set(tok)
@@ -172,33 +210,50 @@ def draft(drafter, sampling: Sampling, gamma: int, dynamic: bool, params, st: Ge
         return (i < gamma) & jnp.any(alive & ~st.done)
 
     def body(c):
-        i, alive, drafts, qs, draft_len, steps, cache, dstate = c
+        i, alive, drafts, qs, hidden, draft_len, steps, cache, dstate = c
         # step 0 feeds the pending token, step i > 0 the previous draft
         prev_tok = jax.lax.dynamic_index_in_dim(drafts, jnp.maximum(i - 1, 0), axis=1, keepdims=False)
         prev_tok = jnp.where(i == 0, st.pending, prev_tok)
         pos = write_positions(st, pos0 + i)
-        logits, conf, cache, dstate = drafter.step(params, cache, dstate, prev_tok[:, None], pos[:, None])
+        logits, conf, cache, dstate, h = drafter.step(params, cache, dstate, prev_tok[:, None], pos[:, None])
         tok, q = choose(i, logits)
         steps = steps + alive.astype(jnp.int32)
         alive = alive & (conf >= tau) if dynamic else alive
         drafts = jax.lax.dynamic_update_index_in_dim(drafts, tok, i, axis=1)
         if qs is not None:
             qs = jax.lax.dynamic_update_index_in_dim(qs, q, i, axis=1)
+        if hidden is not None:
+            hidden = jax.lax.dynamic_update_slice_in_dim(hidden, h.astype(hidden.dtype), i, axis=1)
         draft_len = draft_len + alive.astype(jnp.int32)
-        return i + 1, alive, drafts, qs, draft_len, steps, cache, dstate
+        return i + 1, alive, drafts, qs, hidden, draft_len, steps, cache, dstate
 
-    init = (jnp.asarray(start, jnp.int32), alive, drafts, qs, draft_len, steps, cache, dstate)
-    _, _, drafts, qs, draft_len, steps, cache, dstate = jax.lax.while_loop(cond, body, init)
-    return drafts, qs, draft_len, steps, cache, dstate
+    init = (jnp.asarray(start, jnp.int32), alive, drafts, qs, hidden, draft_len, steps, cache, dstate)
+    _, _, drafts, qs, hidden, draft_len, steps, cache, dstate = jax.lax.while_loop(cond, body, init)
+    return Draft(drafts, qs, draft_len, steps, cache, dstate, hidden)
 
 
-def verify(cfg: ModelConfig, params, st: GenState, cache, drafts: jax.Array):
+def verify(cfg: ModelConfig, params, st: GenState, cache, drafts: jax.Array, hidden: Optional[jax.Array] = None,
+           shared_layers: int = 0):
     """The slow pass: base model over [pending, drafts] at their positions; writes exact K/V for all
-    layers. Returns (logits [B, G+1, V], cache)."""
+    layers. With `hidden` (the drafter's output of base layers [0, shared_layers) for the pending
+    token and drafts[:, :-1], whose K/V for those layers it already wrote), only the last draft
+    runs those layers here. Returns (logits [B, G+1, V], cache)."""
     g = drafts.shape[1]
     pos = write_positions(st, pending_positions(st)[:, None] + jnp.arange(g + 1)[None])
-    toks = jnp.concatenate([st.pending[:, None], drafts], axis=1)
-    return forward(cfg, params["base"], toks, pos, cache)
+    if hidden is None or shared_layers == 0:
+        toks = jnp.concatenate([st.pending[:, None], drafts], axis=1)
+        return forward(cfg, params["base"], toks, pos, cache)
+    base = params["base"]
+    last = embed(cfg, base, drafts[:, -1:])
+    last, cache, _, _ = run_layers(cfg, base, last, pos[:, -1:], cache, 0, shared_layers)
+    x = jnp.concatenate([hidden.astype(last.dtype), last], axis=1)
+    x, cache, _, _ = run_layers(cfg, base, x, pos, cache, shared_layers)
+    return head(cfg, base, x), cache
+
+
+def verify_layers(cfg: ModelConfig, gamma: int, shared_layers: int) -> int:
+    """Base-model layer evaluations of one verification pass (token x layer)."""
+    return cfg.n_layers * (gamma + 1) - shared_layers * gamma
 
 
 def spec_round(
@@ -217,8 +272,9 @@ def spec_round(
     """One draft / verify / accept / commit round for every sequence of the batch."""
     rk = round_keys(st.keys, st.it + 1)
     k_draft, k_accept = jnp.moveaxis(jax.vmap(lambda k: jax.random.split(k, 2))(rk), 1, 0)
-    drafts, qs, draft_len, steps, cache, dstate = draft(drafter, sampling, gamma, dynamic, params, st, tau, k_draft)
-    logits, cache = verify(cfg, params, st, cache, drafts)
+    drafts, qs, draft_len, steps, cache, dstate, hidden = draft(drafter, sampling, gamma, dynamic, params, st, tau,
+                                                                k_draft)
+    logits, cache = verify(cfg, params, st, cache, drafts, hidden, drafter.shared_layers)
     if sampling.greedy:
         n_acc, nxt = greedy_accept(logits, drafts, draft_len)
     else:
@@ -230,7 +286,7 @@ def spec_round(
     st = st._replace(
         cache=cache,
         dstate=dstate,
-        target_layers=st.target_layers + active * cfg.n_layers * (gamma + 1),
+        target_layers=st.target_layers + active * verify_layers(cfg, gamma, drafter.shared_layers),
         draft_layers=st.draft_layers + active * drafter.cost_per_token() * steps,
     )
     return commit(st, cand, n_acc + 1, n_acc + 1, max_new=max_new, eos_id=eos_id)

@@ -51,6 +51,7 @@ class FastOutput(NamedTuple):
     step_logits: Optional[jax.Array] = None  # [K, B, T, V]
     states: Optional[jax.Array] = None  # [K, B, T, d]
     moe_router_logits: Optional[jax.Array] = None  # [K, B, T, E]: layer j_i's router on the fast state
+    branch_state: Optional[jax.Array] = None  # [B, T, d] h_b: the exact output of the b shared layers
 
 
 # --------------------------------------------------------------------------------------------
@@ -267,9 +268,9 @@ def fast_forward(base: ModelConfig, mcfg: M2R2Config, base_params, m2r2_params, 
     if not collect:
         last = router_score(base, mcfg, m2r2_params, z, k - 1, step_scalars(logits, g, g_prev))
         exit_logits = jnp.zeros((k,) + last.shape, last.dtype).at[k - 1].set(last)
-        return FastOutput(logits, cache, exit_logits, moe_router_logits=rl)
+        return FastOutput(logits, cache, exit_logits, moe_router_logits=rl, branch_state=g0)
     step_logits, exit_logits = _per_step_heads(base, mcfg, base_params, m2r2_params, g0, states, z)
-    return FastOutput(logits, cache, exit_logits, step_logits, states, rl)
+    return FastOutput(logits, cache, exit_logits, step_logits, states, rl, g0)
 
 
 def fast_prefix(base: ModelConfig, mcfg: M2R2Config, base_params, m2r2_params, tokens, positions, cache,
