@@ -173,35 +173,46 @@ def round_cost_components(engines: dict, ar_engine, prompt: Sequence[int], width
     tau = jnp.float32(0.5)
     components = {("ar", "step"): round_component(ar_engine, prompt, width)}
     for m, engine in engines.items():
-        spec, params = engine.spec, engine.params
+        spec = engine.spec
         vocab = spec.cfg.vocab_size
-        _, st = components[(m, "round")] = round_component(engine, prompt, width)
+        _, (params, st) = components[(m, "round")] = round_component(engine, prompt, width)
 
-        def draft_phase(st, spec=spec, params=params, vocab=vocab):
+        def draft_phase(c, spec=spec, vocab=vocab):
+            params, st = c
             d = SP.draft(spec.drafter, spec.sampling, spec.gamma, False, params, st, tau, st.keys)
             live = d.drafts if d.hidden is None else jnp.concatenate(
                 [d.drafts, (d.hidden[..., 0] > 0).astype(jnp.int32)], axis=1)  # the verifier's input too
-            return st._replace(cache=d.cache, dstate=d.dstate, pending=_fold_tokens(live, vocab))
+            return params, st._replace(cache=d.cache, dstate=d.dstate, pending=_fold_tokens(live, vocab))
 
         d = SP.draft(spec.drafter, spec.sampling, spec.gamma, False, params, st, tau, st.keys)
 
-        def verify_pass(st, spec=spec, params=params, drafts=d.drafts, hidden=d.hidden, vocab=vocab):
+        def verify_pass(c, spec=spec, drafts=d.drafts, hidden=d.hidden, vocab=vocab):
+            params, st = c
             logits, cache = SP.verify(spec.cfg, params, st, st.cache, drafts, hidden, spec.drafter.shared_layers)
-            return st._replace(cache=cache, pending=_fold_tokens(jnp.argmax(logits, axis=-1), vocab))
+            return params, st._replace(cache=cache, pending=_fold_tokens(jnp.argmax(logits, axis=-1), vocab))
 
-        components[(m, "draft")] = (draft_phase, st)
-        components[(m, "verify")] = (verify_pass, st)
+        components[(m, "draft")] = (draft_phase, (params, st))
+        components[(m, "verify")] = (verify_pass, (params, st))
     return components
 
 
 def round_component(engine, prompt: Sequence[int], width: int, tau: float = 0.5):
     """(fn, carry) for `in_graph_seconds`: one decoding round of `engine` (an ar step, or a whole
     speculative round: draft, verify, acceptance, commit), kept running at the positions after the
-    prefill of `prompt` (batch 1)."""
+    prefill of `prompt` (batch 1). The carry is (params, state): the parameters are runtime
+    values of the loop, as in the real generation program. Closed over as constants, they would
+    let the compiler fold work on the weights that the real program pays for (slices of the
+    layer stack, for one)."""
     toks, lengths, valid = api.pad_batch([prompt], 1, width)
     keys = api.sequence_keys(0, [0])
-    st = api.prefill_batch(engine.spec, engine.params, toks, lengths, keys, valid)
-    return _kept_running(api._round_fn(engine.spec, engine.params, jnp.float32(tau))), st
+    spec = engine.spec
+    st = api.prefill_batch(spec, engine.params, toks, lengths, keys, valid)
+
+    def fn(carry):
+        params, st = carry
+        return params, _kept_running(api._round_fn(spec, params, jnp.float32(tau)))(st)
+
+    return fn, (engine.params, st)
 
 
 def round_costs(engines: dict, ar_engine, prompt: Sequence[int], width: int, repeats: int = 7) -> dict:

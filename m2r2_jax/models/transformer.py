@@ -178,17 +178,20 @@ def run_layers(
     stop = cfg.n_layers if stop is None else stop
     if stop <= start:
         return x, cache, None, None
-    stacked = jax.tree.map(lambda a: a[start:stop], params["layers"])
+    stacked = params["layers"]
 
-    def body(carry, inp):
+    def body(carry, idx):
         h, c = carry
-        lp, idx = inp
+        # Index the whole stack inside the loop. Scanning over a sub-range (a[start:stop]) makes
+        # XLA copy those layers' weights out of the stack on every call: per draft step for the
+        # branch layers, per verification for the layers after them.
+        lp = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, idx, keepdims=False), stacked)
         h, c, rl = layer_forward(cfg, lp, h, positions, c, idx)
         h = constrain(h, HIDDEN_AXES)
         ys = (h if collect else None, rl if (collect and cfg.is_moe) else None)
         return (h, c), ys
 
-    (x, cache), (hidden, router_logits) = jax.lax.scan(body, (x, cache), (stacked, jnp.arange(start, stop)))
+    (x, cache), (hidden, router_logits) = jax.lax.scan(body, (x, cache), jnp.arange(start, stop))
     return x, cache, hidden, router_logits
 
 

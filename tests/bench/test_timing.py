@@ -148,13 +148,15 @@ def _timing_engines(head_sign: float):
 
 def test_round_cost_components_keep_every_pass_live():
     """Each timed component's result depends on the logits its pass computes (so the compiler
-    cannot drop the LM head from the timing): flipping the sign of the LM head changes every
-    component's output. The round keeps decoding at the same positions however often it runs."""
+    cannot drop the LM head from the timing), computed from the parameters in its carry: flipping
+    the sign of the LM head there changes every component's output. The round keeps decoding at the same positions however often it runs."""
     import jax
 
     comps = [S.round_cost_components(*_timing_engines(sign), [1, 2, 3], width=4) for sign in (1.0, -1.0)]
-    # both signs' functions from the same carry (the first sign's prefill state)
-    outs = [{k: fn(comps[0][k][1]) for k, (fn, _) in c.items()} for c in comps]
+    # the first sign's functions and state with each sign's parameters: the outputs differ only if
+    # the parameters are read from the carry (runtime values, as in the generation program), not
+    # baked into the functions as constants
+    outs = [{k: comps[0][k][0]((carry[0], comps[0][k][1][1]))[1] for k, (_, carry) in c.items()} for c in comps]
     assert set(outs[0]) == {("ar", "step")} | {(m, p) for m in ("m2r2_spec", "distance_spec")
                                                 for p in ("draft", "verify", "round")}
     for key in outs[0]:
@@ -162,6 +164,7 @@ def test_round_cost_components_keep_every_pass_live():
         assert (a.pending != b.pending).any() or (a.out != b.out).any(), key
     engines, ar = _timing_engines(1.0)
     fn, carry = S.round_cost_components(engines, ar, [1, 2, 3], width=4)[("m2r2_spec", "round")]
-    st = jax.jit(lambda c: fn(fn(fn(c))))(carry)
-    assert int(st.n_gen[0]) == int(carry.n_gen[0]) and not bool(st.done[0])
+    _, st = jax.jit(lambda c: fn(fn(fn(c))))(carry)
+    start = carry[1]
+    assert int(st.n_gen[0]) == int(start.n_gen[0]) and not bool(st.done[0])
     assert int(st.out[0, 1:].astype(bool).sum()) > 0  # the round's commit wrote tokens
