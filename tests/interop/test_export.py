@@ -13,6 +13,12 @@ from m2r2_jax.interop.hf_config import config_from_hf
 from m2r2_jax.interop.safetensors_io import INDEX_FILE
 
 
+def transformers_equal(a, b) -> bool:
+    import torch
+
+    return a.dtype == b.dtype and a.shape == b.shape and bool(torch.equal(a, b))
+
+
 def _load_transformers(d):
     return transformers.AutoModelForCausalLM.from_pretrained(d, attn_implementation="eager").eval()
 
@@ -28,7 +34,15 @@ def test_write_hf_round_trip(case, tmp_path):
     assert config_from_hf(json.loads((tmp_path / "out" / "config.json").read_text())) == cfg
     tokens = random_tokens(cfg.vocab_size)
     again = _load_transformers(tmp_path / "out")
-    assert_close(hf_logits(again, tokens), hf_logits(model, tokens), tol=1e-6)
+    # The round trip is exact: every tensor transformers loads equals the original bit for bit.
+    ref = model.state_dict()
+    got = again.state_dict()
+    assert set(got) == set(ref)
+    assert all(transformers_equal(got[k], ref[k]) for k in ref), [k for k in ref if not transformers_equal(got[k], ref[k])]
+    # Logits only up to float32 rounding: with transformers 5.24 the Qwen2-MoE case gives logits
+    # 1.1e-6 apart (|logit| 4.3) for the original and this bit-identical re-export, the same with
+    # the original config.json over the exported weights; the cause is inside transformers.
+    assert_close(hf_logits(again, tokens), hf_logits(model, tokens), tol=1e-5)
 
 
 def test_convert_then_export(tmp_path):
