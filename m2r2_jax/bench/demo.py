@@ -290,10 +290,11 @@ def _one_core_bench(out: Path, base_dir: Path, m2r2_dir: Path, prompts, budget: 
 
 def one_core_summary(bench_report: dict) -> dict:
     """The parts of an `m2r2 bench` report the demo keeps: per method the greedy speed, speedup,
-    acceptance and identity check ("methods") and, when it ran, the sampled comparison ("sampled")."""
+    acceptance, identity check, ideal speedup and efficiency ("methods") and, when it ran, the sampled comparison ("sampled")."""
     spec = bench_report["speculative"]
     out = {"methods": {m: {**{k: spec[m][k] for k in ("tokens_per_s", "speedup_vs_ar", "speedup_vs_ar_per_answer",
                                                         "mean_accepted_tokens", "identical_to_ar")},
+                           **{k: spec[m][k] for k in ("ideal_speedup", "efficiency") if k in spec[m]},
                            "gamma": spec[m].get("gamma")}
                        for m in spec}}
     sam = bench_report.get("speculative_sampled")

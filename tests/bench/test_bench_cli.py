@@ -79,6 +79,8 @@ def test_bench_cli_pinned_to_one_core(tmp_path):
                                                                                         "distance_spec"}
     assert kept["sampled"]["methods"]["ar"]["speedup_vs_ar"] == 1.0
     assert kept["methods"]["m2r2_spec"]["gamma"] == spec["m2r2_spec"]["gamma"]
+    assert kept["methods"]["m2r2_spec"]["efficiency"] == spec["m2r2_spec"]["efficiency"]
+    assert kept["methods"]["m2r2_spec"]["ideal_speedup"] == spec["m2r2_spec"]["ideal_speedup"]
     short = run_m2r2(["bench", f"--checkpoint={base}", f"--prompts={prompts}", f"--out={out}", "--gamma=auto",
                       "--n_prompts=3"])
     assert short.returncode != 0

@@ -72,9 +72,14 @@ def test_targets_table_and_plots(tmp_path):
         "m2r2_spec": {"tokens_per_s": 18.0, "speedup_vs_ar": 1.2}}}
     t = R.targets(rep)
     assert t["m2r2_spec_speedup_ge_1.5_one_core"] == {"value": 1.2, "met": False}
+    assert "m2r2_spec_efficiency_ge_0.85_one_core" not in t  # a one-core record without its costs
+    rep["speculative_one_core"]["methods"]["m2r2_spec"]["efficiency"] = 0.9
+    t = R.targets(rep)
+    assert t["m2r2_spec_efficiency_ge_0.85_one_core"] == {"value": 0.9, "met": True}
     rep["targets"] = t
     text = R.table(rep)
-    assert "pinned to one core" in text and "m2r2_spec 1.20x" in text and "one core, sampled" not in text
+    assert "pinned to one core" in text and "m2r2_spec 1.20x (18.0 tok/s, efficiency 0.90)" in text
+    assert "one core, sampled" not in text
     rep["speculative_one_core"]["sampled"] = {"temperature": 0.8, "top_p": 1.0, "methods": {
         "ar": {"tokens_per_s": 14.0, "speedup_vs_ar": 1.0, "mean_accepted_tokens": 1.0},
         "m2r2_spec": {"tokens_per_s": 19.7, "speedup_vs_ar": 1.41, "mean_accepted_tokens": 4.36}}}
