@@ -178,15 +178,13 @@ def run_layers(
     stop = cfg.n_layers if stop is None else stop
     if stop <= start:
         return x, cache, None, None
-    stacked = params["layers"]
 
     def body(carry, idx):
         h, c = carry
         # Index the whole stack inside the loop. Scanning over a sub-range (a[start:stop]) makes
         # XLA copy those layers' weights out of the stack on every call: per draft step for the
         # branch layers, per verification for the layers after them.
-        lp = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, idx, keepdims=False), stacked)
-        h, c, rl = layer_forward(cfg, lp, h, positions, c, idx)
+        h, c, rl = layer_forward(cfg, layer_params(params, idx), h, positions, c, idx)
         h = constrain(h, HIDDEN_AXES)
         ys = (h if collect else None, rl if (collect and cfg.is_moe) else None)
         return (h, c), ys
