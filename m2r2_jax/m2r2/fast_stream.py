@@ -145,7 +145,7 @@ def _lora(ad: dict, name: str, x: jax.Array):
 # --------------------------------------------------------------------------------------------
 def _fast_layer(base: ModelConfig, mcfg: M2R2Config, base_params, sp, j, g, positions, cache, train: bool):
     """Apply D_j with adapters and rate vectors to g. Returns (g, cache, moe_router_logits)."""
-    lp = jax.tree.map(lambda a: jnp.asarray(a)[j], base_params["layers"])
+    lp = T.layer_params(base_params, j)
     mod, v = DecoderLayer(base), {"params": lp}
     ad, scale = sp["adapters"], mcfg.lora_scale
     impl = mcfg.kernel_implementation

@@ -84,9 +84,10 @@ def init_cache(cfg: ModelConfig, batch: int, max_len: Optional[int] = None, dtyp
     return {"k": constrain(jnp.zeros(shape, dt), CACHE_AXES), "v": constrain(jnp.zeros(shape, dt), CACHE_AXES)}
 
 
-def layer_params(params: Params, layer: int) -> Params:
-    """Parameters of layer `layer` (0-based), sliced from the stacked tree."""
-    return jax.tree.map(lambda a: a[layer], params["layers"])
+def layer_params(params: Params, layer) -> Params:
+    """Parameters of layer `layer` (0-based; static or traced), sliced from the stacked tree
+    (host numpy leaves too: indexing them with a traced layer needs a jax array)."""
+    return jax.tree.map(lambda a: jnp.asarray(a)[layer], params["layers"])
 
 
 def cache_length(cache: Cache) -> int:

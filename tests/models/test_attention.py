@@ -84,3 +84,21 @@ def test_cached_decoding_equals_one_pass():
     for i in range(3, 6):
         logits, cache = forward(cfg, params, toks[:, i:i + 1], jnp.full((2, 1), i), cache)
         np.testing.assert_allclose(np.asarray(logits[:, 0]), np.asarray(full[:, i]), atol=1e-4, rtol=1e-4)
+
+
+def test_layer_ranges_run_on_host_numpy_weights_outside_jit():
+    """run_layers indexes the weight stack with the scan's traced layer index: weights still in
+    host numpy arrays (a freshly read checkpoint) and an eager call work, for every layer range."""
+    cfg = ModelConfig(vocab_size=32, d_model=16, n_layers=3, n_heads=4, n_kv_heads=2, head_dim=4, d_ff=24,
+                      max_seq_len=16)
+    params = T.init_params(cfg, jax.random.key(0))
+    host = jax.tree.map(np.asarray, params)
+    toks = jnp.array([[3, 1, 4, 1]])
+    np.testing.assert_allclose(np.asarray(T.forward(cfg, host, toks)[0]), np.asarray(T.forward(cfg, params, toks)[0]),
+                               atol=1e-6)
+    pos = jnp.arange(4)[None]
+    x = T.embed(cfg, params, toks)
+    whole, _, _, _ = T.run_layers(cfg, params, x, pos, None, 0, 3)
+    first, _, _, _ = T.run_layers(cfg, host, x, pos, None, 0, 1)
+    rest, _, _, _ = T.run_layers(cfg, host, first, pos, None, 1, 3)
+    np.testing.assert_allclose(np.asarray(rest), np.asarray(whole), atol=1e-5)
