@@ -294,7 +294,8 @@ def one_core_summary(bench_report: dict) -> dict:
     spec = bench_report["speculative"]
     out = {"methods": {m: {**{k: spec[m][k] for k in ("tokens_per_s", "speedup_vs_ar", "speedup_vs_ar_per_answer",
                                                         "mean_accepted_tokens", "identical_to_ar")},
-                           **{k: spec[m][k] for k in ("ideal_speedup", "efficiency") if k in spec[m]},
+                           **{k: spec[m][k] for k in ("ideal_speedup", "efficiency", "ideal_speedup_decode_only",
+                                                        "efficiency_decode_only") if k in spec[m]},
                            "gamma": spec[m].get("gamma")}
                        for m in spec}}
     sam = bench_report.get("speculative_sampled")

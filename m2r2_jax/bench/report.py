@@ -103,7 +103,12 @@ def table(report: dict) -> str:
                              f"(measured {c['draft_cost_per_token']:.2f} ar-steps), verify {c['verify_cost_ratio']:.2f} ar-steps"
                              + (f"; whole round {c['round_cost_ratio']:.2f} ar-steps ({c['round_overhead']:+.2f} beyond "
                                 f"the two passes), bound {spec[m]['ideal_speedup_from_round']:.2f}x"
-                                if "round_cost_ratio" in c and "ideal_speedup_from_round" in spec[m] else ""))
+                                if "round_cost_ratio" in c and "ideal_speedup_from_round" in spec[m] else "")
+                             + (f"; prefill {c['t_prefill'] / c['t_ar_step']:.2f} ar-steps (ar's "
+                                f"{c['t_prefill_ar'] / c['t_ar_step']:.2f}); without it ideal "
+                                f"{spec[m]['ideal_speedup_decode_only']:.2f}x, efficiency "
+                                f"{spec[m]['efficiency_decode_only']:.2f}"
+                                if "t_prefill" in c and "ideal_speedup_decode_only" in spec[m] else ""))
     al = report.get("alignment")
     if al:
         lines += ["", "alignment: top-1 agreement with the final output at compute (layers)"]

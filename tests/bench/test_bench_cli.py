@@ -67,6 +67,12 @@ def test_bench_cli_pinned_to_one_core(tmp_path):
         assert c["round_overhead"] == pytest.approx((c["t_round"] - c["t_draft"] - c["t_verify"]) / c["t_ar_step"])
         assert spec[m]["ideal_speedup_from_round"] == pytest.approx(
             spec[m]["mean_accepted_tokens"] * c["t_ar_step"] / c["t_round"])
+        assert c["t_prefill"] > 0 and c["t_prefill_ar"] == spec["ar"]["costs"]["t_prefill"] > 0
+        assert spec[m]["ideal_speedup_decode_only"] == pytest.approx(
+            spec[m]["mean_accepted_tokens"] * c["t_ar_step"] / (c["t_draft"] + c["t_verify"]))
+        assert spec[m]["efficiency"] == pytest.approx(spec[m]["speedup_vs_ar"] / spec[m]["ideal_speedup"])
+        assert spec[m]["efficiency_decode_only"] == pytest.approx(
+            spec[m]["speedup_vs_ar"] / spec[m]["ideal_speedup_decode_only"])
     sampled = rep["speculative_sampled"]
     assert sampled["temperature"] == 0.8 and set(sampled) >= {"ar", "m2r2_spec", "distance_spec"}
     assert 1.0 <= sampled["m2r2_spec"]["mean_accepted_tokens"] <= 3.0
@@ -81,6 +87,7 @@ def test_bench_cli_pinned_to_one_core(tmp_path):
     assert kept["methods"]["m2r2_spec"]["gamma"] == spec["m2r2_spec"]["gamma"]
     assert kept["methods"]["m2r2_spec"]["efficiency"] == spec["m2r2_spec"]["efficiency"]
     assert kept["methods"]["m2r2_spec"]["ideal_speedup"] == spec["m2r2_spec"]["ideal_speedup"]
+    assert kept["methods"]["m2r2_spec"]["efficiency_decode_only"] == spec["m2r2_spec"]["efficiency_decode_only"]
     short = run_m2r2(["bench", f"--checkpoint={base}", f"--prompts={prompts}", f"--out={out}", "--gamma=auto",
                       "--n_prompts=3"])
     assert short.returncode != 0

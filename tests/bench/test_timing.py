@@ -156,9 +156,9 @@ def test_round_cost_components_keep_every_pass_live():
     # the first sign's functions and state with each sign's parameters: the outputs differ only if
     # the parameters are read from the carry (runtime values, as in the generation program), not
     # baked into the functions as constants
-    outs = [{k: comps[0][k][0]((carry[0], comps[0][k][1][1]))[1] for k, (_, carry) in c.items()} for c in comps]
-    assert set(outs[0]) == {("ar", "step")} | {(m, p) for m in ("m2r2_spec", "distance_spec")
-                                                for p in ("draft", "verify", "round")}
+    outs = [{k: comps[0][k][0]((carry[0],) + comps[0][k][1][1:])[-1] for k, (_, carry) in c.items()} for c in comps]
+    assert set(outs[0]) == {("ar", "step"), ("ar", "prefill")} | {
+        (m, p) for m in ("m2r2_spec", "distance_spec") for p in ("draft", "verify", "round", "prefill")}
     for key in outs[0]:
         a, b = outs[0][key], outs[1][key]
         assert (a.pending != b.pending).any() or (a.out != b.out).any(), key
@@ -168,3 +168,42 @@ def test_round_cost_components_keep_every_pass_live():
     start = carry[1]
     assert int(st.n_gen[0]) == int(start.n_gen[0]) and not bool(st.done[0])
     assert int(st.out[0, 1:].astype(bool).sum()) > 0  # the round's commit wrote tokens
+
+
+def test_prefill_component_is_the_engines_prefill_and_stays_in_the_loop():
+    """The timed prefill computes what the generation program's prefill computes (first token and
+    KV cache equal to `prefill_batch`), hands the next iteration the prompt unchanged, and makes
+    that prompt depend on its own output, so the loop cannot hoist it as loop-invariant."""
+    import jax
+
+    from m2r2_jax.decoding import api
+
+    engines, ar = _timing_engines(1.0)
+    for engine in (ar, engines["m2r2_spec"]):
+        fn, carry = S.prefill_component(engine, [1, 2, 3], width=4)
+        params, toks, st = jax.jit(lambda c: fn(fn(c)))(carry)
+        prompt, lengths, valid = api.pad_batch([[1, 2, 3]], 1, 4)
+        ref = api.prefill_batch(engine.spec, engine.params, prompt, lengths, api.sequence_keys(0, [0]), valid)
+        assert (toks == carry[1]).all()
+        assert (st.pending == ref.pending).all()
+        for a, b in zip(jax.tree.leaves(st.cache), jax.tree.leaves(ref.cache)):
+            assert jnp.allclose(a, b)
+        closed = jax.make_jaxpr(fn)(carry)
+        n_params = len(jax.tree.leaves(carry[0]))
+        toks_out = closed.jaxpr.outvars[n_params]  # the carried prompt is computed, not passed through
+        assert toks_out not in closed.jaxpr.invars
+
+
+def test_ideal_answer_speedup_counts_each_answers_prefill_and_passes():
+    """A perfect implementation (every answer costs exactly prefill + its passes) scores the
+    measured speedup exactly, at any answer length; the decode-only ideal would not."""
+    costs = {"t_prefill": 3.0, "t_prefill_ar": 2.0, "t_ar_step": 1.0, "t_draft": 0.5, "t_verify": 1.5}
+    ar = [SequenceResult(tokens=[0] * n, accepted=[], rounds=n - 1, target_layers=0, draft_layers=0)
+          for n in (9, 33)]
+    spec = [SequenceResult(tokens=[0] * n, accepted=[], rounds=r, target_layers=0, draft_layers=0)
+            for n, r in ((9, 2), (33, 8))]
+    t_ar = [2.0 + 8, 2.0 + 32]
+    t_spec = [3.0 + 2 * 2.0, 3.0 + 8 * 2.0]
+    measured = ((9 / t_spec[0] + 33 / t_spec[1]) / 2) / ((9 / t_ar[0] + 33 / t_ar[1]) / 2)
+    assert S.ideal_answer_speedup(spec, ar, costs) == pytest.approx(measured)
+    assert S.ideal_answer_speedup(spec, ar, costs) < 4.0 * 1.0 / 2.0  # below the decode-only bound
