@@ -36,6 +36,13 @@ import numpy as np
 from m2r2_jax.decoding import api
 
 SPEC_METHODS = ("m2r2_spec", "distance_spec", "two_model")
+SELF_DRAFT_METHODS = ("m2r2_spec", "distance_spec")  # the methods a draft vocabulary applies to
+
+
+def vocab_option(method: str, draft_vocab) -> dict:
+    """build_engine's draft_vocab for `method`: the subset for the self-drafting methods, nothing
+    for the others (ar, two_model)."""
+    return {"draft_vocab": draft_vocab} if draft_vocab is not None and method in SELF_DRAFT_METHODS else {}
 
 
 def _run(engine, prompts, batch_size, width, tau):
@@ -298,10 +305,12 @@ def compare_methods(
     repeats: int = 3,
     progress=None,
     plan=None,
+    draft_vocab=None,
 ) -> dict:
     """Greedy speculative decoding side by side with ar. Returns report["speculative"]. `gamma`:
     one draft length for every method or {method: gamma} (see `bench.gamma`). `plan`: run every
-    method sharded (`sharding.ShardingPlan`, e.g. the specdec preset)."""
+    method sharded (`sharding.ShardingPlan`, e.g. the specdec preset). `draft_vocab`: the token
+    ids m2r2_spec's and distance_spec's draft heads score (`decoding.draft_vocab`)."""
     from m2r2_jax.bench.gamma import gamma_of
 
     width = max(len(p) for p in prompts)
@@ -310,7 +319,7 @@ def compare_methods(
         if m == "two_model" and draft is None:
             continue
         engines[m] = api.build_engine(m, cfg, base_params, max_new_tokens=max_new_tokens, gamma=gamma_of(gamma, m),
-                                      m2r2=m2r2, draft=draft, plan=plan)
+                                      m2r2=m2r2, draft=draft, plan=plan, **vocab_option(m, draft_vocab))
     if progress:
         progress(f"speculative: batch 1, {', '.join(engines)} side by side")
     timed = per_answer_timing_side_by_side({m: (e, 0.5) for m, e in engines.items()}, prompts, width, repeats,
@@ -389,16 +398,17 @@ def distinct_token_fraction(results) -> float:
 def sampled_comparison(cfg, base_params, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
                        temperature: float, top_p: float = 1.0, gamma=4, m2r2=None, draft=None,
                        methods: Sequence[str] = ("ar", "m2r2_spec", "distance_spec"), repeats: int = 3,
-                       progress=None, plan=None) -> dict:
+                       progress=None, plan=None, draft_vocab=None) -> dict:
     """Speed and acceptance with sampling, side by side with sampled ar. Speculative sampling is
     lossless in distribution (pinned by the decoding tests), so answers differ from ar's draw by
-    draw and no identity is checked; the point is acceptance on text that does not loop. `gamma`:
-    as in `compare_methods`."""
+    draw and no identity is checked; the point is acceptance on text that does not loop. `gamma`,
+    `draft_vocab`: as in `compare_methods`."""
     from m2r2_jax.bench.gamma import gamma_of
 
     width = max(len(p) for p in prompts)
     runners = {m: (api.build_engine(m, cfg, base_params, max_new_tokens=max_new_tokens, temperature=temperature,
-                                    top_p=top_p, gamma=gamma_of(gamma, m), m2r2=m2r2, draft=draft, plan=plan), 0.5)
+                                    top_p=top_p, gamma=gamma_of(gamma, m), m2r2=m2r2, draft=draft, plan=plan,
+                                    **vocab_option(m, draft_vocab)), 0.5)
                for m in methods}
     if progress:
         progress(f"speculative sampling (temperature {temperature}): {', '.join(methods)} side by side")

@@ -36,6 +36,8 @@ flags.DEFINE_integer("cpu_cores", 0, "CPU benchmarks: pin the process to the fir
 flags.DEFINE_float("temperature", 0.0, "also compare the methods sampled at this temperature, side by side with "
                    "sampled ar (0: greedy only)", lower_bound=0.0)
 flags.DEFINE_float("top_p", 1.0, "nucleus mass of the sampled comparison")
+flags.DEFINE_string("draft_vocab", None, "m2r2_spec and distance_spec draft from this token subset only (a JSON "
+                    "file from `m2r2 draft-vocab`); verification keeps the full vocabulary")
 flags.mark_flags_as_required(["checkpoint", "out"])
 sharding_flags.define("specdec")
 FLAGS = flags.FLAGS
@@ -97,6 +99,11 @@ def main(argv):
         if max(p) >= base_cfg.vocab_size or min(p) < 0:
             raise DataError(f"prompt {i} has token ids outside the vocabulary [0, {base_cfg.vocab_size})")
     methods = ("ar",) + tuple(m for m in SPEC_METHODS if m != "two_model" or draft is not None)
+    vocab = None
+    if FLAGS.draft_vocab:
+        from m2r2_jax.decoding import draft_vocab as DV
+
+        vocab = DV.load(FLAGS.draft_vocab, base_cfg.vocab_size)
 
     def say(msg: str) -> None:
         print(f"[bench] {msg}", file=sys.stderr, flush=True)
@@ -108,7 +115,7 @@ def main(argv):
             f"calibration prompts, round costs at gamma {', '.join(map(str, candidates))}")
         records = G.tune_gammas(spec_methods, base_cfg, base_params, calib, max_new_tokens=FLAGS.max_new_tokens,
                                 candidates=candidates, m2r2=(mcfg, m2r2_params), draft=draft, plan=plan,
-                                bar="draft lengths")
+                                bar="draft lengths", draft_vocab=vocab)
         for m, rec in records.items():
             say("  " + G.format_choice(m, rec))
         return records
@@ -116,16 +123,18 @@ def main(argv):
     gammas, tuning = G.resolve_gammas(gamma, methods, tune)
     spec = compare_methods(base_cfg, base_params, prompts, max_new_tokens=FLAGS.max_new_tokens, gamma=gammas,
                            m2r2=(mcfg, m2r2_params), draft=draft, methods=methods, batch_sizes=batch_sizes,
-                           repeats=FLAGS.repeats, plan=plan, progress=say)
+                           repeats=FLAGS.repeats, plan=plan, progress=say, draft_vocab=vocab)
     report = {"device": _device(), "prompts": FLAGS.prompts, "n_prompts": len(prompts),
-              "fresh_m2r2_params": fresh, "sharding": plan.describe() if plan else None, "m2r2": mcfg.to_dict(), "speculative": spec}
+              "fresh_m2r2_params": fresh, "sharding": plan.describe() if plan else None, "m2r2": mcfg.to_dict(),
+              "draft_vocab": ({"file": FLAGS.draft_vocab, "size": int(vocab.size)} if vocab is not None else None),
+              "speculative": spec}
     if tuning:
         report["gamma_tuning"] = tuning
     if FLAGS.temperature > 0:
         report["speculative_sampled"] = sampled_comparison(
             base_cfg, base_params, prompts, max_new_tokens=FLAGS.max_new_tokens, temperature=FLAGS.temperature,
             top_p=FLAGS.top_p, gamma=gammas, m2r2=(mcfg, m2r2_params), draft=draft, methods=methods,
-            repeats=FLAGS.repeats, plan=plan, progress=say)
+            repeats=FLAGS.repeats, plan=plan, progress=say, draft_vocab=vocab)
     report["targets"] = R.targets(report)
     out = Path(FLAGS.out)
     import jax

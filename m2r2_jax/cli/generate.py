@@ -36,7 +36,10 @@ flags.DEFINE_enum("kv_missing", "propagate", ["propagate", "deferred"], "early e
 flags.DEFINE_enum("decider", "confidence", ["confidence", "saturation"], "distance_exit decider")
 flags.DEFINE_integer("exit_layer", None, "distance_spec draft depth E (default: the M2R2 draft's cost)")
 flags.DEFINE_string("out", None, "output JSONL file")
-for _name in ("max_new_tokens", "draft_checkpoint", "top_p", "batch_size", "draft_length", "kv_missing", "exit_layer"):
+flags.DEFINE_string("draft_vocab", None, "m2r2_spec / distance_spec: draft from this token subset only (a JSON file "
+                    "from `m2r2 draft-vocab`); output is unchanged, drafting cheaper")
+for _name in ("max_new_tokens", "draft_checkpoint", "top_p", "batch_size", "draft_length", "kv_missing", "exit_layer",
+              "draft_vocab"):
     flags.DEFINE_alias(_name.replace("_", "-"), _name)
 flags.mark_flags_as_required(["checkpoint", "prompts", "out"])
 sharding_flags.define("specdec")
@@ -75,6 +78,13 @@ def main(argv):
         raise ConfigError("--method=two_model needs --draft-checkpoint")
 
     cfg = load_config(FLAGS.checkpoint)
+    vocab = None
+    if FLAGS.draft_vocab:
+        from m2r2_jax.decoding import draft_vocab as DV
+
+        if FLAGS.method not in ("m2r2_spec", "distance_spec"):
+            raise ConfigError(f"--draft-vocab is for --method m2r2_spec or distance_spec, not {FLAGS.method}")
+        vocab = DV.load(FLAGS.draft_vocab, cfg.vocab_size)
     tok_file = tokenizer_path(FLAGS.checkpoint)
     tokenizer = load_tokenizer(tok_file) if tok_file is not None else None
     from m2r2_jax.data.prompt_files import read_prompt_file
@@ -93,7 +103,7 @@ def main(argv):
                            temperature=FLAGS.temperature, top_p=FLAGS.top_p, seed=FLAGS.seed,
                            batch_size=FLAGS.batch_size, gamma=FLAGS.gamma, draft_length=FLAGS.draft_length,
                            tau=FLAGS.tau, eos_id=eos, m2r2=m2r2, draft=draft, exit_layer=FLAGS.exit_layer,
-                           decider=FLAGS.decider, kv_missing=FLAGS.kv_missing)
+                           decider=FLAGS.decider, kv_missing=FLAGS.kv_missing, draft_vocab=vocab)
     rows = [{
         "tokens": r.tokens,
         "text": tokenizer.decode(r.tokens) if tokenizer is not None else None,

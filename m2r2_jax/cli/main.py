@@ -20,6 +20,7 @@ VERBS = {
     "align": ("align", "slow vs fast stream alignment against compute: JSON + PNG"),
     "generate": ("generate", "generate with ar, speculative or early-exit decoding"),
     "bench": ("bench", "speculative-decoding benchmark on prompt sets"),
+    "draft-vocab": ("draft_vocab", "the most frequent tokens of a corpus, for drafting from a reduced vocabulary"),
     "moe-bench": ("moe_bench", "MoE ahead-of-time expert loading benchmark"),
     "aot-check": ("aot_check", "compile sharded programs ahead of time: do they fit the devices?"),
     "demo": ("demo", "the main job: train, distill, measure, report (make demo)"),

@@ -223,11 +223,21 @@ def ideal_speedup(mean_tokens_per_round: float, gamma: int, draft_cost_ratio: fl
 
 
 def draft_cost_ratio(spec: EngineSpec) -> float:
-    """One draft step's cost relative to one base-model step (layer-equivalents / N). For
-    two_model this is the draft model's layer count over the base's (a rough FLOP proxy)."""
+    """One draft step's cost relative to one base-model step, LM heads included (matmul weights
+    touched per token): (draft layer-equivalents + its head) / (N + the full head), a
+    self-drafter's head over its draft vocabulary when it has one. For two_model: the draft
+    model's whole step over the base's."""
+    from m2r2_jax.m2r2.fast_stream import head_cost_layers, layer_macs
+
     if spec.method not in SPEC_METHODS:
         raise ConfigError(f"method {spec.method!r} has no draft")
-    return spec.drafter.cost_per_token() / spec.cfg.n_layers
+    d, cfg = spec.drafter, spec.cfg
+    base_step = cfg.n_layers + head_cost_layers(cfg)
+    if isinstance(d, speculative.TwoModelDrafter):
+        dc = d.draft_cfg
+        in_base_layers = layer_macs(dc) / layer_macs(cfg)
+        return (dc.n_layers + head_cost_layers(dc)) * in_base_layers / base_step
+    return (d.cost_per_token() + head_cost_layers(cfg, d.draft_vocab)) / base_step
 
 
 # --------------------------------------------------------------------------------------------
@@ -262,7 +272,7 @@ def distance_exit_layer(cfg: ModelConfig, mcfg) -> int:
 @dataclasses.dataclass(frozen=True)
 class Engine:
     spec: EngineSpec
-    params: Any  # {"base": ..., "m2r2": ..., "draft": ..., "exit_norm_scale": ...}
+    params: Any  # {"base": ..., "m2r2": ..., "draft": ..., "exit_norm_scale": ..., "draft_head": ...}
     param_shardings: Any = None  # sharded engines: NamedSharding per leaf of params
     compiled: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
@@ -288,13 +298,16 @@ def build_engine(
     accept_fn: Optional[Callable] = None,
     plan=None,
     reuse_shared_layers: bool = True,
+    draft_vocab=None,
 ) -> Engine:
     """Validate the options and assemble the static spec + parameter tree of one method. With a
     `plan` (`sharding.ShardingPlan`, e.g. the specdec preset) the parameters are placed on its
     mesh by their logical axes and every batch runs sharded (same tokens as unsharded).
     `reuse_shared_layers` (m2r2_spec, distance_spec): the verification pass takes the drafter's
     exact output of the base layers it shares (M2R2's b branch layers, distance_spec's E) instead
-    of running them again; off only to measure what that saves."""
+    of running them again; off only to measure what that saves.
+    `draft_vocab` (m2r2_spec, distance_spec): token ids the draft head scores (`decoding.draft_vocab`;
+    None: the whole vocabulary). Verification keeps the full head: output stays lossless."""
     if method not in METHODS:
         raise ConfigError(f"method={method!r} is invalid: expected one of {', '.join(METHODS)}")
     if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens <= 0:
@@ -312,18 +325,29 @@ def build_engine(
         raise ConfigError(f"decider={decider!r} is invalid: expected confidence or saturation")
     params = {"base": base_params}
     drafter = None
+    n_vocab = 0
+    if draft_vocab is not None:
+        from m2r2_jax.decoding import draft_vocab as DV
+        from m2r2_jax.models.transformer import head_kernel_columns
+
+        if method not in ("m2r2_spec", "distance_spec"):
+            raise ConfigError(f"a draft vocabulary is for the self-drafting methods m2r2_spec and distance_spec, "
+                              f"not {method}")
+        ids = DV.check_ids(draft_vocab, cfg.vocab_size)
+        n_vocab = int(ids.size)
+        params["draft_head"] = {"ids": jnp.asarray(ids), "kernel": head_kernel_columns(cfg, base_params, ids)}
     if method == "distance_spec":
         # only the M2R2 config matters here (it sets E); no parameters are initialised
         mcfg = m2r2[0] if m2r2 is not None else default_m2r2_config(cfg)
         e = distance_exit_layer(cfg, mcfg.validate(cfg)) if exit_layer is None else int(exit_layer)
         if not (1 <= e <= cfg.n_layers):
             raise ConfigError(f"exit_layer={exit_layer!r} is invalid: expected 1..n_layers={cfg.n_layers}")
-        drafter = speculative.DistanceDrafter(cfg, e, bool(reuse_shared_layers))
+        drafter = speculative.DistanceDrafter(cfg, e, bool(reuse_shared_layers), n_vocab)
     elif method in ("m2r2_spec", "m2r2_exit"):
         mcfg, m2r2_params = _default_m2r2(cfg, m2r2)
         mcfg.validate(cfg)
         if method == "m2r2_spec":
-            drafter = speculative.M2R2Drafter(cfg, mcfg, bool(reuse_shared_layers))
+            drafter = speculative.M2R2Drafter(cfg, mcfg, bool(reuse_shared_layers), n_vocab)
             params["m2r2"] = m2r2_params
         else:
             drafter = early_exit.M2R2Exit(cfg, mcfg, kv_missing, int(deferred_window))
@@ -349,7 +373,7 @@ def build_engine(
         return Engine(spec, params)
     from m2r2_jax.sharding.params import param_shardings, put_global
 
-    shardings = {k: (jax.tree.map(lambda _: plan.replicated, v) if k == "exit_norm_scale"
+    shardings = {k: (jax.tree.map(lambda _: plan.replicated, v) if k in ("exit_norm_scale", "draft_head")
                      else param_shardings(plan, v)) for k, v in params.items()}
     return Engine(spec, put_global(params, shardings), shardings)
 
@@ -481,6 +505,7 @@ def generate(
     decider: str = "confidence",
     kv_missing: str = "propagate",
     plan=None,
+    draft_vocab=None,
 ) -> list:
     """Generate continuations of token prompts with one method; returns one `SequenceResult` per
     prompt, in order (see the module docstring for the fields).
@@ -489,10 +514,12 @@ def generate(
     `init_m2r2_params` with the default config, which is still lossless for m2r2_spec).
     draft: (ModelConfig, params) of the two_model draft model. tau: the router / decider threshold
     (dynamic draft length and early exit). eos_id: stop a sequence after this token (None: never).
+    draft_vocab: token ids the m2r2_spec / distance_spec draft head scores (`decoding.draft_vocab`).
     """
     engine = build_engine(method, cfg, base_params, max_new_tokens=max_new_tokens, temperature=temperature,
                           top_p=top_p, gamma=gamma, draft_length=draft_length, eos_id=eos_id, m2r2=m2r2,
-                          draft=draft, exit_layer=exit_layer, decider=decider, kv_missing=kv_missing, plan=plan)
+                          draft=draft, exit_layer=exit_layer, decider=decider, kv_missing=kv_missing, plan=plan,
+                          draft_vocab=draft_vocab)
     if line_numbers is not None and len(line_numbers) != len(prompts):
         raise ConfigError(f"line_numbers has {len(line_numbers)} entries for {len(prompts)} prompts")
     if not len(prompts):

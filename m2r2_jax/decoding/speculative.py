@@ -65,11 +65,21 @@ def _max_prob(logits: jax.Array) -> jax.Array:
 class _SelfDrafter:
     """Drafters that run (part of) the base model itself: no state of their own, the base's
     vocabulary, nothing to prefill beyond the shared cache. Subclasses are dataclasses with a
-    `cfg: ModelConfig` field and a `reuse_shared: bool` one (off: the verifier recomputes the
-    shared layers, for side-by-side measurements). `step` returns (logits [B, V], confidence [B],
-    cache, dstate, hidden [B, 1, d]: the output of the first `shared_layers` layers)."""
+    `cfg: ModelConfig` field, a `reuse_shared: bool` one (off: the verifier recomputes the
+    shared layers, for side-by-side measurements) and `draft_vocab: int` (> 0: the draft head
+    scores only that many tokens, params["draft_head"] from `decoding.draft_vocab`; the others
+    get no probability, so they are never drafted). `step` returns (logits [B, V], confidence
+    [B], cache, dstate, hidden [B, 1, d]: the output of the first `shared_layers` layers)."""
 
     peel_first = False
+
+    def _vocab(self, params) -> Optional[dict]:
+        if not self.draft_vocab:
+            return None
+        if "draft_head" not in params:
+            raise ValueError(f"the drafter scores a {self.draft_vocab}-token draft vocabulary but the "
+                             "parameters carry no draft_head (build the engine with draft_vocab=...)")
+        return params["draft_head"]
 
     @property
     def vocab_size(self) -> int:
@@ -95,6 +105,7 @@ class DistanceDrafter(_SelfDrafter):
     cfg: ModelConfig
     n_layers: int
     reuse_shared: bool = True
+    draft_vocab: int = 0
 
     def _prefix_layers(self) -> int:
         return self.n_layers
@@ -104,7 +115,7 @@ class DistanceDrafter(_SelfDrafter):
         base = params["base"]
         x = embed(self.cfg, base, tokens)
         x, cache, _, _ = run_layers(self.cfg, base, x, positions, cache, 0, self.n_layers)
-        logits = head(self.cfg, base, x, params.get("exit_norm_scale"))[:, -1]
+        logits = head(self.cfg, base, x, params.get("exit_norm_scale"), vocab=self._vocab(params))[:, -1]
         return logits, _max_prob(logits), cache, dstate, x
 
     def cost_per_token(self) -> float:
@@ -118,6 +129,7 @@ class M2R2Drafter(_SelfDrafter):
     cfg: ModelConfig
     mcfg: Any  # m2r2.config.M2R2Config
     reuse_shared: bool = True
+    draft_vocab: int = 0
 
     def _prefix_layers(self) -> int:
         return self.mcfg.branch_layer
@@ -125,7 +137,8 @@ class M2R2Drafter(_SelfDrafter):
     def step(self, params, cache, dstate, tokens, positions):
         from m2r2_jax.m2r2.fast_stream import fast_forward
 
-        out = fast_forward(self.cfg, self.mcfg, params["base"], params["m2r2"], tokens, positions, cache)
+        out = fast_forward(self.cfg, self.mcfg, params["base"], params["m2r2"], tokens, positions, cache,
+                           vocab=self._vocab(params))
         logits = out.logits[:, -1]
         confidence = jax.nn.sigmoid(out.exit_logits[-1, :, -1].astype(jnp.float32))
         return logits, confidence, out.cache, dstate, out.branch_state

@@ -112,13 +112,32 @@ def _init_m2r2_params(base: ModelConfig, mcfg: M2R2Config, rng: jax.Array) -> di
     return params
 
 
-def draft_cost_layers(base: ModelConfig, mcfg: M2R2Config) -> float:
-    """Cost of one fast pass in slow-layer equivalents (matmul FLOPs ~ weights touched):
-    b shared layers + K visited layers + adapters (+ the low-rank MoE MLP, minus skipped MLPs)."""
+def _layer_macs(base: ModelConfig) -> tuple:
+    """(attention, MLP) matmul weights one token touches in one slow layer (active experts only)."""
     d = base.d_model
     attn = d * (base.n_heads + 2 * base.n_kv_heads) * base.head_dim + base.n_heads * base.head_dim * d
     mlp = (3 * d * base.moe_d_ff * base.n_experts_per_tok + d * base.n_experts) if base.is_moe else 3 * d * base.d_ff
     mlp += 3 * d * base.shared_expert_d_ff
+    return attn, mlp
+
+
+def layer_macs(base: ModelConfig) -> int:
+    """Matmul weights one token touches in one slow layer (attention + MLP, active experts)."""
+    return sum(_layer_macs(base))
+
+
+def head_cost_layers(base: ModelConfig, n_vocab: int = 0) -> float:
+    """Cost of the LM head over `n_vocab` tokens (0: the whole vocabulary) in slow-layer
+    equivalents: d x n weights against one layer's. Large vocabularies make it several layers."""
+    return base.d_model * (n_vocab or base.vocab_size) / layer_macs(base)
+
+
+def draft_cost_layers(base: ModelConfig, mcfg: M2R2Config) -> float:
+    """Cost of one fast pass in slow-layer equivalents (matmul FLOPs ~ weights touched):
+    b shared layers + K visited layers + adapters (+ the low-rank MoE MLP, minus skipped MLPs).
+    The exit head is not included (`head_cost_layers`)."""
+    d = base.d_model
+    attn, mlp = _layer_macs(base)
     layer = attn + mlp
     per_step = attn + sum(mcfg.lora_rank * (din + dout) for din, dout in adapter_shapes(base, mcfg).values())
     if not base.is_moe or mcfg.moe_fast_mlp == "experts":
@@ -187,10 +206,12 @@ def _fast_layer(base: ModelConfig, mcfg: M2R2Config, base_params, sp, j, g, posi
     return g, cache, router_logits
 
 
-def exit_head_logits(base: ModelConfig, mcfg: M2R2Config, base_params, m2r2_params, i, g) -> jax.Array:
-    """Frozen final norm + LM head on fast state g_i (with the step's learned norm scale)."""
+def exit_head_logits(base: ModelConfig, mcfg: M2R2Config, base_params, m2r2_params, i, g,
+                     vocab: Optional[dict] = None) -> jax.Array:
+    """Frozen final norm + LM head on fast state g_i (with the step's learned norm scale);
+    `vocab`: over a token subset only (`models.transformer.head`)."""
     scale = m2r2_params["exit_norm"]["scale"][i] if "exit_norm" in m2r2_params else None
-    return T.head(base, base_params, g, norm_scale=scale)
+    return T.head(base, base_params, g, norm_scale=scale, vocab=vocab)
 
 
 def init_traj(base: ModelConfig, mcfg: M2R2Config, batch: int, length: int) -> dict:
@@ -258,13 +279,15 @@ def _run_steps(base, mcfg, base_params, m2r2_params, g, positions, cache, train:
 
 
 def fast_forward(base: ModelConfig, mcfg: M2R2Config, base_params, m2r2_params, tokens, positions, cache,
-                 *, collect: bool = False) -> FastOutput:
+                 *, collect: bool = False, vocab: Optional[dict] = None) -> FastOutput:
     """Decode-mode fast pass over new tokens (drafting, early exit, expert prediction): shared
-    layers write exact K/V, visited layers get provisional fast K/V."""
+    layers write exact K/V, visited layers get provisional fast K/V. `vocab`: the final exit
+    head over a token subset (a drafter's reduced vocabulary; its router then sees the logits of
+    that subset)."""
     k = mcfg.steps(base)
     g0, cache = branch(base, mcfg, base_params, tokens, positions, cache)
     g, cache, states, z, rl, g_prev = _run_steps(base, mcfg, base_params, m2r2_params, g0, positions, cache, False, collect)
-    logits = exit_head_logits(base, mcfg, base_params, m2r2_params, k - 1, g)
+    logits = exit_head_logits(base, mcfg, base_params, m2r2_params, k - 1, g, vocab)
     if not collect:
         last = router_score(base, mcfg, m2r2_params, z, k - 1, step_scalars(logits, g, g_prev))
         exit_logits = jnp.zeros((k,) + last.shape, last.dtype).at[k - 1].set(last)

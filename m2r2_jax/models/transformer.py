@@ -120,13 +120,37 @@ def embed(cfg: ModelConfig, params: Params, tokens: jax.Array) -> jax.Array:
     return constrain(x.astype(dtype_of(cfg.dtype)), HIDDEN_AXES)
 
 
-def head(cfg: ModelConfig, params: Params, h: jax.Array, norm_scale: Optional[jax.Array] = None) -> jax.Array:
+# Logit given to the tokens a vocabulary subset leaves out: finite, so softmax gives them exactly 0
+# and p * log p stays 0 (with -inf it is NaN), far below any logit a head computes.
+MASKED_LOGIT = -1e30
+
+
+def head_kernel_columns(cfg: ModelConfig, params: Params, ids) -> jax.Array:
+    """[d, n] LM-head columns of the token ids `ids` (the embedding rows with tied embeddings):
+    a head over that vocabulary subset, gathered once (see `head`'s `vocab`)."""
+    ids = jnp.asarray(ids, jnp.int32)
+    if cfg.tie_embeddings:
+        return jnp.take(params["embed"]["embedding"], ids, axis=0).T
+    return jnp.take(params["lm_head"]["kernel"], ids, axis=1)
+
+
+def head(cfg: ModelConfig, params: Params, h: jax.Array, norm_scale: Optional[jax.Array] = None,
+         vocab: Optional[dict] = None) -> jax.Array:
     """Final norm + LM head (the exit head). `norm_scale` optionally multiplies the frozen norm
-    weight (learned per-exit scales of the M2R2 exit heads). Logits in float32."""
+    weight (learned per-exit scales of the M2R2 exit heads). Logits in float32.
+
+    `vocab` {"ids": [n], "kernel": [d, n] (`head_kernel_columns`)}: compute the logits of those n
+    tokens only and give every other token MASKED_LOGIT (still [..., V]), so sampling, argmax and
+    softmax see a distribution over the subset. For drafters: the matmul over V is most of a
+    shallow draft step when V is large, and a draft outside the subset is simply never proposed."""
     scale = params["final_norm"]["scale"]
     if norm_scale is not None:
         scale = scale * norm_scale
     hn = RMSNorm(cfg.rms_eps).apply({"params": {"scale": scale}}, h)
+    if vocab is not None:
+        sub = (hn @ vocab["kernel"].astype(hn.dtype)).astype(jnp.float32)
+        full = jnp.full(sub.shape[:-1] + (cfg.vocab_size,), MASKED_LOGIT, jnp.float32)
+        return constrain(full.at[..., vocab["ids"]].set(sub), LOGITS_AXES)
     if cfg.tie_embeddings:
         pd = dtype_of(cfg.param_dtype)
         logits = Embedder(cfg.vocab_size, cfg.d_model, pd).apply({"params": params["embed"]}, hn, method="decode")

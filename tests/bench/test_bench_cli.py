@@ -6,6 +6,7 @@ import os
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from m2r2_jax.bench.cpu_cores import pin_to_cores
@@ -43,11 +44,16 @@ def test_bench_cli_pinned_to_one_core(tmp_path):
     prompts.write_text("".join(json.dumps({"tokens": [1 + i, 5, 7 + i]}) + "\n" for i in range(3)))
     out = tmp_path / "out"
     # draft lengths tuned on the third prompt, benchmarked on the first two
+    from m2r2_jax.decoding import draft_vocab as DV
+
+    vocab = DV.save(tmp_path / "vocab.json", list(range(0, 64, 2)), 64, "test", np.ones(64))  # drafts from half
     r = run_m2r2(["bench", f"--checkpoint={base}", f"--m2r2={m2r2}", f"--prompts={prompts}", f"--out={out}",
                   "--cpu_cores=1", "--batch_sizes=1", "--max_new_tokens=6", "--repeats=1", "--gamma=auto",
-                  "--gamma_candidates=1,2", "--calibration_prompts=1", "--n_prompts=2", "--temperature=0.8"])
+                  "--gamma_candidates=1,2", "--calibration_prompts=1", "--n_prompts=2", "--temperature=0.8",
+                  f"--draft_vocab={tmp_path / 'vocab.json'}"])
     assert r.returncode == 0, r.stderr[-2000:]
     rep = json.loads((out / "report.json").read_text())
+    assert rep["draft_vocab"]["size"] == vocab["size"] == 32
     assert rep["device"]["cpu_cores_in_use"] == 1
     spec = rep["speculative"]
     assert set(spec) == {"ar", "m2r2_spec", "distance_spec"}

@@ -137,6 +137,10 @@ CASES = [
      "--out {out}.jsonl --max-new-tokens 2 --method m2r2_spec --m2r2 {m2r2}", ["fingerprint.json"], None),
     ("generate-out-in-file", "generate --checkpoint {base} --prompts {prompts} --out {file}/g.jsonl "
      "--max-new-tokens 2", ["a_file"], None),
+    ("generate-draft-vocab-missing", "generate --checkpoint {base} --prompts {prompts} --out {out}.jsonl "
+     "--method m2r2_spec --draft-vocab {missing}", ["does_not_exist"], None),
+    ("generate-draft-vocab-with-ar", "generate --checkpoint {base} --prompts {prompts} --out {out}.jsonl "
+     "--draft-vocab {file}", ["--draft-vocab", "m2r2_spec"], None),
     # bench
     ("bench-no-checkpoint", "bench --out {out}", ["--checkpoint"], None),
     ("bench-unknown-set", "bench --checkpoint {base} --prompts nonexistent_set --out {out}", ["nonexistent_set"], None),
@@ -157,6 +161,20 @@ CASES = [
      "--draft_checkpoint {moe}", ["vocabulary"], None),
     ("bench-prompt-oov", "bench --checkpoint {base} --prompts {prompts_oov} --out {out} --max_new_tokens 2",
      ["vocabulary"], None),
+    ("bench-draft-vocab-file-garbage", "bench --checkpoint {base} --prompts {prompts} --out {out} --max_new_tokens 2 "
+     "--draft_vocab {file}", ["a_file", "JSON"], None),
+    # draft-vocab
+    ("draft-vocab-no-size", "draft-vocab --checkpoint {base} --out {out}.json", ["--size"], None),
+    ("draft-vocab-size-too-big", "draft-vocab --checkpoint {base} --size 100000 --out {out}.json",
+     ["--size=100000", "vocabulary"], None),
+    ("draft-vocab-no-tokenizer", "draft-vocab --checkpoint {notok} --size 8 --out {out}.json", ["tokenizer"], None),
+    ("draft-vocab-corpus-missing", "draft-vocab --checkpoint {base} --size 8 --corpus {missing} --out {out}.json",
+     ["does_not_exist"], None),
+    ("draft-vocab-corpus-not-utf8", "draft-vocab --checkpoint {base} --size 8 --corpus {data_not_utf8} "
+     "--out {out}.json", ["UTF-8"], None),
+    ("draft-vocab-corpus-empty", "draft-vocab --checkpoint {base} --size 8 --corpus {data_empty} --out {out}.json",
+     ["no tokens"], None),
+    ("draft-vocab-out-in-file", "draft-vocab --checkpoint {base} --size 8 --out {file}/v.json", ["a_file"], None),
     # moe-bench
     ("moe-bench-dense-base", "moe-bench --checkpoint {base} --prompts {prompts} --out {out}", ["MoE"], None),
     ("moe-bench-not-utf8", "moe-bench --checkpoint {moe} --prompts {prompts_not_utf8} --out {out}", ["UTF-8"], None),

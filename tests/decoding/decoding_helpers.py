@@ -120,3 +120,4 @@ def reference_cache(cfg, params, prompts, results):
         pos[i, : len(seq)] = np.arange(len(seq))
     assert n <= BATCH
     return _reference_cache(cfg, params, jnp.asarray(toks), jnp.asarray(pos), cache_len)
+

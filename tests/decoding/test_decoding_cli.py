@@ -95,3 +95,34 @@ def test_m2r2_checkpoint_of_another_base_is_refused(ckpts):
     cfg, params = model("llama")
     with pytest.raises(CheckpointError, match="another base"):
         load_m2r2(ckpts / "m2r2_other", cfg, params_fingerprint(cfg, params))
+
+
+def test_cli_draft_vocab_then_generate_with_it_reproduces_greedy_ar(tmp_path):
+    """`m2r2 draft-vocab` counts the embedded corpus with the checkpoint's tokenizer; generating
+    with that subset gives ar's greedy tokens, for m2r2_spec and distance_spec."""
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "cli"))
+    from cli_helpers import VOCAB, run_m2r2, train_tokenizer
+
+    from m2r2_jax.decoding import draft_vocab as DV
+
+    tok = train_tokenizer(tmp_path / "tokenizer.model")
+    cfg, params = model("llama", vocab_size=VOCAB)
+    base = save_model(tmp_path / "base", cfg, params, tokenizer_file=str(tok))
+    vocab_file = tmp_path / "vocab" / "v.json"
+    r = run_m2r2(["draft-vocab", f"--checkpoint={base}", "--size=64", f"--out={vocab_file}"])
+    assert r.returncode == 0, r.stderr[-2000:]
+    rec = json.loads(vocab_file.read_text())
+    assert rec["size"] == 64 and rec["vocab_size"] == VOCAB and rec["source"] == "embedded"
+    assert 0.3 < rec["coverage"] < 1.0 and "of the" in r.stdout
+    ids = DV.load(vocab_file, VOCAB)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"tokens": p}) + "\n" for p in PROMPTS))
+    ref = [x.tokens for x in api.generate("ar", cfg, params, PROMPTS, max_new_tokens=6, batch_size=3)]
+    for method in ("m2r2_spec", "distance_spec"):
+        out = tmp_path / f"{method}.jsonl"
+        r = m2r2_cli("--checkpoint", str(base), "--method", method, "--prompts", str(prompts), "--max-new-tokens", "6",
+                     "--batch-size", "3", "--draft-vocab", str(vocab_file), "--out", str(out))
+        assert r.returncode == 0, r.stderr[-2000:]
+        rows = [json.loads(line) for line in out.read_text().splitlines()]
+        assert [row["tokens"] for row in rows] == ref
+    assert len(ids) == 64
