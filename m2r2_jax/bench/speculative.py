@@ -21,13 +21,15 @@ of both sides, so a fixed prefill that both methods pay pulls the measured ratio
 no overhead at all (by ~10% on a 96-token answer of the embedded model); it is kept as
 `ideal_speedup_decode_only` / `efficiency_decode_only`. The whole round is timed as well
 (t_round): mean_accepted * t_ar / t_round is the decode-only bound with acceptance, commit and the
-two passes compiled together, which separates in-graph costs from host overheads.
+two passes compiled together, which separates in-graph costs from host overheads. The costs are
+sampled 7 times spread between the batch-1 answers (`InGraphTimer`, `spread_schedule`), so on a
+machine whose speed drifts they come from the same stretch of time as the answers.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Sequence
+from typing import Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -37,6 +39,7 @@ from m2r2_jax.decoding import api
 
 SPEC_METHODS = ("m2r2_spec", "distance_spec", "two_model")
 SELF_DRAFT_METHODS = ("m2r2_spec", "distance_spec")  # the methods a draft vocabulary applies to
+COST_SAMPLES = 7  # in-graph cost measurements per benchmark (medians over them)
 
 
 def vocab_option(method: str, draft_vocab) -> dict:
@@ -57,12 +60,13 @@ def _rotations(names: Sequence[str], r: int) -> list:
 
 
 def per_answer_timing_side_by_side(runners: dict, prompts: Sequence[Sequence[int]], width: int,
-                                   repeats: int, bar: str = "") -> dict:
+                                   repeats: int, bar: str = "", between=None) -> dict:
     """Batch 1, every runner side by side. `runners` maps a name to (engine, tau). For each repeat
     and each prompt the runners go one after another (order rotating), so slow drifts of a shared
     machine's load hit every method alike instead of whichever method happened to be timed during
     them. Each answer's time is the median of its `repeats`.
-    With `bar`, a progress bar of that name counts compiles and timed answers.
+    With `bar`, a progress bar of that name counts compiles and timed answers. `between(g)`, if
+    given, runs after each (repeat, prompt) group g = 0, 1, ... (outside the timed calls).
     Returns {name: (results, tokens_per_s, seconds)}, each a list over prompts."""
     from tqdm.auto import tqdm
 
@@ -83,6 +87,8 @@ def per_answer_timing_side_by_side(runners: dict, prompts: Sequence[Sequence[int
                 times[m][i].append(time.perf_counter() - t0)
                 results[m][i] = res[0]
                 progress.update()
+            if between is not None:
+                between(r * len(prompts) + i)
     progress.close()
     out = {}
     for m in names:
@@ -123,39 +129,61 @@ def batch_throughput_side_by_side(engines: dict, prompts, batch_size: int, width
     return out
 
 
-def in_graph_seconds(components: dict, repeats: int = 7, n_short: int = 2, n_long: int = 18, bar: str = "") -> dict:
+class InGraphTimer:
     """Seconds per application of each `fn` (carry -> carry) in `components` {name: (fn, carry)},
     measured inside one compiled loop whose trip count is a runtime argument (one compile per
-    component): (t(n_long) - t(n_short)) / (n_long - n_short), so dispatch and host overheads
-    cancel. The carry threads the cache through every iteration, so nothing can be hoisted out of
-    the loop. The components are timed side by side (order rotating per repeat) and each one's
-    short and long runs back to back; the result is the median over repeats of the per-repeat
-    difference. With `bar`, a progress bar of that name counts compiles and timed repeats.
-    Returns {name: {"seconds": s, "spread": [min, max] over repeats}}."""
-    from tqdm.auto import tqdm
+    component, at construction): (t(n_long) - t(n_short)) / (n_long - n_short), so dispatch and
+    host overheads cancel. The carry threads the cache through every iteration, so nothing can be
+    hoisted out of the loop. Each `measure` call times every component once, side by side (order
+    rotating with its argument), each one's short and long runs back to back; `result` is the
+    median over the calls so far. Calls can be spread over a longer measurement (between the
+    answers of `per_answer_timing_side_by_side`), so the costs sample the same machine states as
+    the answers they are compared with."""
 
-    progress = tqdm(total=len(components) * (1 + repeats), desc=bar, disable=not bar, leave=False)
-    looped = {}
-    for name, (fn, carry) in components.items():
-        f = jax.jit(lambda c, n, fn=fn: jax.lax.fori_loop(0, n, lambda i, c: fn(c), c))
-        jax.block_until_ready(f(carry, n_short))  # compile (n is traced: the same program for both)
-        looped[name] = (f, carry)
-        progress.update()
-    per = {name: [] for name in components}
-    names = list(components)
-    for r in range(repeats):
-        for name in _rotations(names, r):
-            f, carry = looped[name]
+    def __init__(self, components: dict, n_short: int = 2, n_long: int = 18, progress=None):
+        self.n_short, self.n_long = n_short, n_long
+        self.looped = {}
+        for name, (fn, carry) in components.items():
+            f = jax.jit(lambda c, n, fn=fn: jax.lax.fori_loop(0, n, lambda i, c: fn(c), c))
+            jax.block_until_ready(f(carry, n_short))  # compile (n is traced: the same program for both)
+            self.looped[name] = (f, carry)
+            if progress is not None:
+                progress.update()
+        self.per = {name: [] for name in components}
+
+    def measure(self, rotation: int = 0) -> None:
+        for name in _rotations(list(self.looped), rotation):
+            f, carry = self.looped[name]
             t = {}
-            for n in (n_short, n_long):
+            for n in (self.n_short, self.n_long):
                 t0 = time.perf_counter()
                 jax.block_until_ready(f(carry, n))
                 t[n] = time.perf_counter() - t0
-            per[name].append(max(t[n_long] - t[n_short], 1e-9) / (n_long - n_short))
-            progress.update()
+            self.per[name].append(max(t[self.n_long] - t[self.n_short], 1e-9) / (self.n_long - self.n_short))
+
+    @property
+    def samples(self) -> int:
+        return min((len(v) for v in self.per.values()), default=0)
+
+    def result(self) -> dict:
+        """{name: {"seconds": median, "spread": [min, max]}} over the `measure` calls so far."""
+        return {name: {"seconds": float(np.median(v)), "spread": [float(min(v)), float(max(v))]}
+                for name, v in self.per.items()}
+
+
+def in_graph_seconds(components: dict, repeats: int = 7, n_short: int = 2, n_long: int = 18, bar: str = "") -> dict:
+    """`InGraphTimer` over `components`, measured `repeats` times in a row. With `bar`, a progress
+    bar of that name counts compiles and timed repeats.
+    Returns {name: {"seconds": s, "spread": [min, max] over repeats}}."""
+    from tqdm.auto import tqdm
+
+    progress = tqdm(total=len(components) + repeats, desc=bar, disable=not bar, leave=False)
+    timer = InGraphTimer(components, n_short, n_long, progress)
+    for r in range(repeats):
+        timer.measure(r)
+        progress.update()
     progress.close()
-    return {name: {"seconds": float(np.median(v)), "spread": [float(min(v)), float(max(v))]}
-            for name, v in per.items()}
+    return timer.result()
 
 
 def _kept_running(round_fn):
@@ -252,7 +280,15 @@ def prefill_component(engine, prompt: Sequence[int], width: int):
     return fn, (engine.params, jnp.asarray(toks), st)
 
 
-def round_costs(engines: dict, ar_engine, prompt: Sequence[int], width: int, repeats: int = 7) -> dict:
+def spread_schedule(groups: int, samples: int) -> set:
+    """`samples` group indices spread evenly over 0..groups-1 (all of them when fewer): where a
+    measurement interleaved with `groups` others takes its samples."""
+    n = min(samples, groups)
+    return {(k + 1) * groups // n - 1 for k in range(n)} if n > 0 else set()
+
+
+def round_costs(engines: dict, ar_engine, prompt: Sequence[int], width: int, repeats: int = 7,
+                timer: Optional[InGraphTimer] = None) -> dict:
     """Seconds of one ar decoding step and, for each speculative engine in `engines` {name: engine},
     one draft phase (gamma tokens), one verification pass over gamma + 1 positions and one whole
     round (draft, verify, acceptance, commit), batch 1, all measured side by side inside compiled
@@ -261,9 +297,15 @@ def round_costs(engines: dict, ar_engine, prompt: Sequence[int], width: int, rep
     passes timed apart: acceptance, commit, and whatever the compiler does differently when they
     run in one loop body.
     `t_prefill` is each engine's prefill of `prompt` (`prefill_component`), ar's as `t_prefill_ar`.
+    `timer`: an `InGraphTimer` over `round_cost_components` that was already sampled (e.g. between
+    the answers being timed); topped up to `repeats` samples.
     Returns {"ar": {"t_ar_step", "t_prefill"}, name: {"t_ar_step", "t_draft", "t_verify", "t_round",
     "t_prefill", "t_prefill_ar", ratios, spreads}} (ratios in ar steps)."""
-    timed = in_graph_seconds(round_cost_components(engines, ar_engine, prompt, width), repeats)
+    if timer is None:
+        timer = InGraphTimer(round_cost_components(engines, ar_engine, prompt, width))
+    while timer.samples < repeats:  # a timer sampled during the answers already holds some
+        timer.measure(timer.samples)
+    timed = timer.result()
     t_ar = timed[("ar", "step")]["seconds"]
     pf = timed[("ar", "prefill")]
     out = {"ar": {"t_ar_step": t_ar, "t_ar_step_spread": timed[("ar", "step")]["spread"],
@@ -320,10 +362,18 @@ def compare_methods(
             continue
         engines[m] = api.build_engine(m, cfg, base_params, max_new_tokens=max_new_tokens, gamma=gamma_of(gamma, m),
                                       m2r2=m2r2, draft=draft, plan=plan, **vocab_option(m, draft_vocab))
+    spec_engines = {m: e for m, e in engines.items() if m != "ar"}
     if progress:
-        progress(f"speculative: batch 1, {', '.join(engines)} side by side")
+        progress("speculative: compiling the draft, verify, round, prefill and ar step cost loops")
+    # The costs are sampled between the answers (7 times, spread over them): on a machine whose
+    # speed drifts, the ideal and the measured speedup then see the same machine states.
+    timer = InGraphTimer(round_cost_components(spec_engines, engines["ar"], prompts[0], width))
+    sample_at = spread_schedule(repeats * len(prompts), COST_SAMPLES)
+    if progress:
+        progress(f"speculative: batch 1, {', '.join(engines)} side by side, their costs sampled in between")
     timed = per_answer_timing_side_by_side({m: (e, 0.5) for m, e in engines.items()}, prompts, width, repeats,
-                                           bar="speculative b=1" if progress else "")
+                                           bar="speculative b=1" if progress else "",
+                                           between=lambda g: timer.measure(g) if g in sample_at else None)
     sweeps = {m: [] for m in engines}
     for bs in batch_sizes:
         if progress:
@@ -331,9 +381,7 @@ def compare_methods(
         row = batch_throughput_side_by_side(engines, prompts, bs, width, repeats)
         for m in engines:
             sweeps[m].append(row[m])
-    if progress:
-        progress("speculative: draft, verify and ar step costs in compiled loops")
-    costs = round_costs({m: e for m, e in engines.items() if m != "ar"}, engines["ar"], prompts[0], width)
+    costs = round_costs(spec_engines, engines["ar"], prompts[0], width, COST_SAMPLES, timer=timer)
 
     out: dict = {}
     ar_results = timed["ar"][0]

@@ -83,6 +83,51 @@ def _durations(calls, engine, prompt):
     return out
 
 
+def test_between_runs_after_each_group_outside_the_timed_calls(monkeypatch):
+    clock = _FakeClock()
+    log = []
+
+    def fake_run(engine, prompts, batch_size, width, tau):
+        log.append(("run", engine))
+        clock.now += 1.0
+        return [SequenceResult(tokens=[1], accepted=[], rounds=1, target_layers=0, draft_layers=0)]
+
+    def between(g):
+        log.append(("between", g))
+        clock.now += 100.0  # would show in every answer's time if it ran inside a timed call
+
+    monkeypatch.setattr(S, "_run", fake_run)
+    monkeypatch.setattr(S.time, "perf_counter", clock)
+    out = S.per_answer_timing_side_by_side({"a": ("x", 0.5), "b": ("y", 0.5)}, [[1], [2], [3]], width=1, repeats=2,
+                                           between=between)
+    assert [e for e in log if e[0] == "between"] == [("between", g) for g in range(6)]
+    timed = log[2:]  # after the two compiles: each group is two runs, then its between
+    assert [e[0] for e in timed] == ["run", "run", "between"] * 6
+    assert all(t == 1.0 for _, _, secs in out.values() for t in secs)
+
+
+@pytest.mark.parametrize("groups,samples", [(15, 7), (7, 7), (3, 7), (48, 7), (1, 1)])
+def test_spread_schedule_takes_samples_spread_over_the_groups(groups, samples):
+    at = S.spread_schedule(groups, samples)
+    assert len(at) == min(groups, samples) and max(at) == groups - 1 and min(at) >= 0
+    gaps = sorted(at)
+    assert max(b - a for a, b in zip([-1] + gaps, gaps)) <= -(-groups // min(groups, samples))
+
+
+def test_timer_sampled_in_between_is_topped_up_to_the_repeats():
+    comps = {"a": (lambda c: c * 1.0001 + 1.0, jnp.ones((4,))), "b": (lambda c: c @ jnp.eye(4), jnp.ones((4,)))}
+    timer = S.InGraphTimer(comps, n_short=1, n_long=3)
+    timer.measure(0)
+    timer.measure(1)
+    assert timer.samples == 2
+    while timer.samples < 5:
+        timer.measure(timer.samples)
+    res = timer.result()
+    assert set(res) == {"a", "b"} and all(len(v) == 5 for v in timer.per.values())
+    for r in res.values():
+        assert r["spread"][0] <= r["seconds"] <= r["spread"][1]
+
+
 def test_in_graph_seconds_compiles_each_component_once():
     traces = {"a": 0, "b": 0}
 
