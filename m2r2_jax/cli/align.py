@@ -39,24 +39,21 @@ def heldout_text(data: str, text_field: str) -> str:
 
 
 def main(argv):
-    from m2r2_jax.data.tokenizer import load_tokenizer
-    from m2r2_jax.errors import CheckpointError, ConfigError
+    from m2r2_jax.cli.common import required_tokenizer
+    from m2r2_jax.errors import ConfigError
     from m2r2_jax.m2r2 import analysis
     from m2r2_jax.m2r2.loading import load_base_and_m2r2
     from m2r2_jax.m2r2.distill import heldout_batches
-    from m2r2_jax.models.checkpoint import tokenizer_path
     from m2r2_jax.models.config import read_model_config
 
     # the cheap checks first: config, tokenizer and data fail before any weights are read
     cfg = read_model_config(FLAGS.checkpoint)
     if FLAGS.seq_len > cfg.max_seq_len:
         raise ConfigError(f"--seq_len={FLAGS.seq_len} is invalid: the model's max_seq_len is {cfg.max_seq_len}")
-    tok_file = tokenizer_path(FLAGS.checkpoint)
-    if tok_file is None:
-        raise CheckpointError(f"{FLAGS.checkpoint} has no tokenizer")
+    tok = required_tokenizer(FLAGS.checkpoint, "to encode the held-out text with")
     text = heldout_text(FLAGS.data, FLAGS.text_field)
     base_cfg, base_params, mcfg, m2r2_params, fresh = load_base_and_m2r2(FLAGS.checkpoint, FLAGS.m2r2)
-    batches = heldout_batches(load_tokenizer(tok_file), FLAGS.seq_len, FLAGS.batch_size, FLAGS.max_batches, text)
+    batches = heldout_batches(tok, FLAGS.seq_len, FLAGS.batch_size, FLAGS.max_batches, text)
     record = analysis.alignment(base_cfg, mcfg, base_params, m2r2_params, batches)
     record["fast_beats_slow_at_equal_compute"] = analysis.fast_beats_slow(record)
     record["fresh_m2r2_params"] = fresh

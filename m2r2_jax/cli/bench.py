@@ -54,10 +54,10 @@ def main(argv):
     from m2r2_jax.bench.prompts import load_prompt_set
     from m2r2_jax.bench.speculative import SPEC_METHODS, compare_methods, sampled_comparison
     from m2r2_jax.decoding.sampling import Sampling
-    from m2r2_jax.data.tokenizer import load_tokenizer
-    from m2r2_jax.errors import CheckpointError, ConfigError, DataError
+    from m2r2_jax.cli.common import required_tokenizer
+    from m2r2_jax.errors import ConfigError, DataError
     from m2r2_jax.m2r2.loading import load_base_and_m2r2
-    from m2r2_jax.models.checkpoint import load_model, tokenizer_path
+    from m2r2_jax.models.checkpoint import load_model
 
     Sampling(FLAGS.temperature, FLAGS.top_p).validate()
     if FLAGS.cpu_cores:  # before anything starts JAX's backend
@@ -82,10 +82,7 @@ def main(argv):
     base_cfg, base_params, mcfg, m2r2_params, fresh = load_base_and_m2r2(FLAGS.checkpoint, FLAGS.m2r2)
     draft = load_model(FLAGS.draft_checkpoint) if FLAGS.draft_checkpoint else None
     if any(isinstance(p, str) for p in prompts):
-        tok_file = tokenizer_path(FLAGS.checkpoint)
-        if tok_file is None:
-            raise CheckpointError(f"{FLAGS.checkpoint} has no tokenizer to encode text prompts")
-        tok = load_tokenizer(tok_file)
+        tok = required_tokenizer(FLAGS.checkpoint, "to encode text prompts with")
         prompts = [tok.encode(p) if isinstance(p, str) else p for p in prompts]
     longest_draft = max(candidates) if gamma == "auto" else max(gamma.values()) if isinstance(gamma, dict) else gamma
     limit = min(FLAGS.max_prompt_tokens, base_cfg.max_seq_len - FLAGS.max_new_tokens - longest_draft - 1)

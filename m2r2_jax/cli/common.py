@@ -97,3 +97,16 @@ def loaded_config(flag_values, name: str = "config"):
     except Exception as e:  # ml_collections re-raises the file's own error (any type) on access
         lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
         raise ConfigError(f"cannot load config file {path}: {lines[-1] if lines else type(e).__name__}") from None
+
+
+def required_tokenizer(checkpoint, purpose: str):
+    """The tokenizer stored with a model checkpoint, loaded; a checkpoint without one is a
+    CheckpointError naming what it was needed for ("to encode the prompt", ...)."""
+    from m2r2_jax.data.tokenizer import load_tokenizer
+    from m2r2_jax.errors import CheckpointError
+    from m2r2_jax.models.checkpoint import tokenizer_path
+
+    tok_file = tokenizer_path(checkpoint)
+    if tok_file is None:
+        raise CheckpointError(f"{checkpoint} has no tokenizer/ directory {purpose}")
+    return load_tokenizer(tok_file)

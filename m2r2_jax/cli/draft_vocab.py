@@ -44,18 +44,15 @@ def main(argv):
 
     from tqdm.auto import tqdm
 
-    from m2r2_jax.data.tokenizer import load_tokenizer
+    from m2r2_jax.cli.common import required_tokenizer
     from m2r2_jax.decoding import draft_vocab as DV
-    from m2r2_jax.errors import CheckpointError, ConfigError
-    from m2r2_jax.models.checkpoint import load_config, tokenizer_path
+    from m2r2_jax.errors import ConfigError
+    from m2r2_jax.models.checkpoint import load_config
 
     cfg = load_config(FLAGS.checkpoint)
     if FLAGS.size > cfg.vocab_size:
         raise ConfigError(f"--size={FLAGS.size} is invalid: the model's vocabulary has {cfg.vocab_size} tokens")
-    tok_file = tokenizer_path(FLAGS.checkpoint)
-    if tok_file is None:
-        raise CheckpointError(f"{FLAGS.checkpoint} has no tokenizer to count a text corpus with")
-    tok = load_tokenizer(tok_file)
+    tok = required_tokenizer(FLAGS.checkpoint, "to count a text corpus with")
     # every input read and the output's directory made (their errors reported) before any progress output
     texts = list(_texts(FLAGS.corpus))
     if not any(t.strip() for _, t in texts):

@@ -19,16 +19,12 @@ FLAGS = flags.FLAGS
 
 
 def main(argv):
-    from m2r2_jax.data.tokenizer import load_tokenizer
-    from m2r2_jax.errors import CheckpointError
-    from m2r2_jax.models.checkpoint import load_config, load_model, tokenizer_path
+    from m2r2_jax.cli.common import required_tokenizer
+    from m2r2_jax.models.checkpoint import load_config, load_model
     from m2r2_jax.training.sampling import sample_tokens
 
     load_config(FLAGS.checkpoint)  # a clear error first when DIR is not a model checkpoint
-    tok_file = tokenizer_path(FLAGS.checkpoint)
-    if tok_file is None:
-        raise CheckpointError(f"{FLAGS.checkpoint} has no tokenizer/ directory; cannot encode the prompt")
-    tok = load_tokenizer(tok_file)
+    tok = required_tokenizer(FLAGS.checkpoint, "to encode the prompt with")
     cfg, params = load_model(FLAGS.checkpoint)
     # An empty prompt starts a new document, which in training follows an EOS.
     prompt_ids = tok.encode(FLAGS.prompt) if FLAGS.prompt else [tok.eos_id]
