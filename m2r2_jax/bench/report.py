@@ -104,6 +104,9 @@ def table(report: dict) -> str:
                              + (f"; whole round {c['round_cost_ratio']:.2f} ar-steps ({c['round_overhead']:+.2f} beyond "
                                 f"the two passes), bound {spec[m]['ideal_speedup_from_round']:.2f}x"
                                 if "round_cost_ratio" in c and "ideal_speedup_from_round" in spec[m] else "")
+                             + (f"; ideal {spec[m]['ideal_speedup']:.2f}x (cost samples "
+                                f"{spec[m]['ideal_speedup_spread'][0]:.2f}-{spec[m]['ideal_speedup_spread'][1]:.2f})"
+                                if "ideal_speedup_spread" in spec[m] else "")
                              + (f"; prefill {c['t_prefill'] / c['t_ar_step']:.2f} ar-steps (ar's "
                                 f"{c['t_prefill_ar'] / c['t_ar_step']:.2f}); without it ideal "
                                 f"{spec[m]['ideal_speedup_decode_only']:.2f}x, efficiency "

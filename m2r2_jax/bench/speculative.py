@@ -19,7 +19,9 @@ padding, bookkeeping and the host cost on top; a perfect implementation scores 1
 length. The decode-only ideal  mean_accepted * t_ar / (t_draft + t_verify)  leaves the prefill out
 of both sides, so a fixed prefill that both methods pay pulls the measured ratio below it even with
 no overhead at all (by ~10% on a 96-token answer of the embedded model); it is kept as
-`ideal_speedup_decode_only` / `efficiency_decode_only`. The whole round is timed as well
+`ideal_speedup_decode_only` / `efficiency_decode_only`. Both are computed for every cost sample
+(all components of a sample are timed back to back, so they share one state of the machine) and
+the median is kept, with the min-max over samples as `ideal_speedup_spread`. The whole round is timed as well
 (t_round): mean_accepted * t_ar / t_round is the decode-only bound with acceptance, commit and the
 two passes compiled together, which separates in-graph costs from host overheads. The costs are
 sampled 7 times spread between the batch-1 answers (`InGraphTimer`, `spread_schedule`), so on a
@@ -319,8 +321,19 @@ def round_costs(engines: dict, ar_engine, prompt: Sequence[int], width: int, rep
                   "draft_cost_per_token": d["seconds"] / engine.spec.gamma / t_ar,
                   "verify_cost_ratio": v["seconds"] / t_ar,
                   "round_cost_ratio": r["seconds"] / t_ar,
-                  "round_overhead": (r["seconds"] - d["seconds"] - v["seconds"]) / t_ar}
+                  "round_overhead": (r["seconds"] - d["seconds"] - v["seconds"]) / t_ar,
+                  "samples": _paired_samples(timer, m)}
     return out
+
+
+def _paired_samples(timer: InGraphTimer, m: str) -> list:
+    """Method m's costs sample by sample: every `InGraphTimer.measure` call times all components
+    back to back, so one sample's costs share one state of the machine, while medians taken
+    component by component may each come from a different one."""
+    per = timer.per
+    keys = {"t_ar_step": ("ar", "step"), "t_prefill_ar": ("ar", "prefill"), "t_draft": (m, "draft"),
+            "t_verify": (m, "verify"), "t_round": (m, "round"), "t_prefill": (m, "prefill")}
+    return [{k: float(per[c][i]) for k, c in keys.items()} for i in range(timer.samples)]
 
 
 def acceptance_by_position(results, gamma: int) -> list:
@@ -412,11 +425,15 @@ def compare_methods(
         if m == "ar":
             continue
         c = rec["costs"]
-        rec["ideal_speedup"] = ideal_answer_speedup(timed[m][0], ar_results, c)
+        # the ideal of every cost sample (paired: one sample's costs were timed back to back); the
+        # median is the ideal, the min-max its spread over the samples
+        per = [ideal_answer_speedup(timed[m][0], ar_results, x) for x in c["samples"]]
+        rec["ideal_speedup"] = float(np.median(per))
+        rec["ideal_speedup_spread"] = [float(min(per)), float(max(per))]
         rec["efficiency"] = float(rec["speedup_vs_ar"] / rec["ideal_speedup"])
-        decode_only = rec["mean_accepted_tokens"] * c["t_ar_step"] / (c["t_draft"] + c["t_verify"])
-        rec["ideal_speedup_decode_only"] = float(decode_only)
-        rec["efficiency_decode_only"] = float(rec["speedup_vs_ar"] / decode_only)
+        decode_only = [rec["mean_accepted_tokens"] * x["t_ar_step"] / (x["t_draft"] + x["t_verify"]) for x in c["samples"]]
+        rec["ideal_speedup_decode_only"] = float(np.median(decode_only))
+        rec["efficiency_decode_only"] = float(rec["speedup_vs_ar"] / rec["ideal_speedup_decode_only"])
         # the same bound with the whole round as compiled (acceptance, commit, pass interplay)
         rec["ideal_speedup_from_round"] = float(rec["mean_accepted_tokens"] * c["t_ar_step"] / c["t_round"])
         # hardware-independent prediction for a device where verifying gamma+1 tokens costs one step
