@@ -123,7 +123,11 @@ def main(argv):
                            repeats=FLAGS.repeats, plan=plan, progress=say, draft_vocab=vocab)
     report = {"device": _device(), "prompts": FLAGS.prompts, "n_prompts": len(prompts),
               "fresh_m2r2_params": fresh, "sharding": plan.describe() if plan else None, "m2r2": mcfg.to_dict(),
-              "draft_vocab": ({"file": FLAGS.draft_vocab, "size": int(vocab.size)} if vocab is not None else None),
+              "draft_vocab": None if vocab is None else {
+                  "file": FLAGS.draft_vocab, "size": int(vocab.size),
+                  # how much of what ar actually wrote the subset could have drafted
+                  "coverage_of_ar_answers": DV.coverage(DV.count_tokens(spec["ar"]["answers"], base_cfg.vocab_size),
+                                                        vocab)},
               "speculative": spec}
     if tuning:
         report["gamma_tuning"] = tuning

@@ -54,6 +54,8 @@ def test_bench_cli_pinned_to_one_core(tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     rep = json.loads((out / "report.json").read_text())
     assert rep["draft_vocab"]["size"] == vocab["size"] == 32
+    ar_tokens = [t for a in rep["speculative"]["ar"]["answers"] for t in a]
+    assert rep["draft_vocab"]["coverage_of_ar_answers"] == pytest.approx(sum(t % 2 == 0 for t in ar_tokens) / len(ar_tokens))
     assert rep["device"]["cpu_cores_in_use"] == 1
     spec = rep["speculative"]
     assert set(spec) == {"ar", "m2r2_spec", "distance_spec"}
