@@ -129,6 +129,27 @@ def test_sharded_speculative_decoding_gives_the_unsharded_tokens(family, mesh):
         assert all(len(r.tokens) == 8 for r in spec)
 
 
+def test_sharded_drafting_from_a_reduced_vocabulary_gives_the_unsharded_tokens():
+    """The draft head over a token subset (replicated on the mesh) drafts as unsharded does."""
+    cfg, base = model("llama", vocab_size=VOCAB)
+    mcfg = M2R2Config(branch_layer=1, rate=2, lora_rank=4)
+    m2r2 = (mcfg, random_m2r2(cfg, mcfg, 0, adapter_scale=0.3))
+    plan = ShardingPlan.from_preset("specdec", mesh="data=2,tensor=4")
+    prompts = _random_prompts(np.random.default_rng(3), 5)
+    vocab = list(range(0, VOCAB, 2))
+    for temperature in (0.0, 0.8):
+        kw = dict(max_new_tokens=8, temperature=temperature, seed=1, batch_size=4, gamma=3, m2r2=m2r2,
+                  draft_vocab=vocab)
+        spec = api.generate("m2r2_spec", cfg, base, prompts, plan=plan, **kw)
+        ref = api.generate("m2r2_spec", cfg, base, prompts, **kw)
+        assert [r.tokens for r in spec] == [r.tokens for r in ref]
+        assert [r.accepted for r in spec] == [r.accepted for r in ref]
+    greedy_ar = api.generate("ar", cfg, base, prompts, max_new_tokens=8, batch_size=4)
+    greedy = api.generate("m2r2_spec", cfg, base, prompts, plan=plan, max_new_tokens=8, batch_size=4, gamma=3,
+                          m2r2=m2r2, draft_vocab=vocab)
+    assert [r.tokens for r in greedy] == [r.tokens for r in greedy_ar]
+
+
 def test_sharded_engine_places_the_kv_cache_by_batch_and_kv_heads():
     cfg, base = model("llama", vocab_size=VOCAB)
     plan = ShardingPlan.from_preset("specdec", mesh="data=4,tensor=2")  # 2 kv heads over tensor=2
