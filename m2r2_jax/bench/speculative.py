@@ -40,14 +40,13 @@ import numpy as np
 from m2r2_jax.decoding import api
 
 SPEC_METHODS = ("m2r2_spec", "distance_spec", "two_model")
-SELF_DRAFT_METHODS = ("m2r2_spec", "distance_spec")  # the methods a draft vocabulary applies to
 COST_SAMPLES = 7  # in-graph cost measurements per benchmark (medians over them)
 
 
 def vocab_option(method: str, draft_vocab) -> dict:
     """build_engine's draft_vocab for `method`: the subset for the self-drafting methods, nothing
     for the others (ar, two_model)."""
-    return {"draft_vocab": draft_vocab} if draft_vocab is not None and method in SELF_DRAFT_METHODS else {}
+    return {"draft_vocab": draft_vocab} if draft_vocab is not None and method in api.SELF_DRAFT_METHODS else {}
 
 
 def _run(engine, prompts, batch_size, width, tau):
@@ -294,7 +293,7 @@ def round_costs(engines: dict, ar_engine, prompt: Sequence[int], width: int, rep
     """Seconds of one ar decoding step and, for each speculative engine in `engines` {name: engine},
     one draft phase (gamma tokens), one verification pass over gamma + 1 positions and one whole
     round (draft, verify, acceptance, commit), batch 1, all measured side by side inside compiled
-    loops (`in_graph_seconds` over `round_cost_components`).
+    loops (an `InGraphTimer` over `round_cost_components`).
     `round_overhead` = (t_round - t_draft - t_verify) / t_ar is what the round costs beyond its two
     passes timed apart: acceptance, commit, and whatever the compiler does differently when they
     run in one loop body.

@@ -82,7 +82,7 @@ def main(argv):
     if FLAGS.draft_vocab:
         from m2r2_jax.decoding import draft_vocab as DV
 
-        if FLAGS.method not in ("m2r2_spec", "distance_spec"):
+        if FLAGS.method not in api.SELF_DRAFT_METHODS:
             raise ConfigError(f"--draft-vocab is for --method m2r2_spec or distance_spec, not {FLAGS.method}")
         vocab = DV.load(FLAGS.draft_vocab, cfg.vocab_size)
     tok_file = tokenizer_path(FLAGS.checkpoint)

@@ -53,6 +53,7 @@ from m2r2_jax.sharding.plan import maybe_scope
 METHODS = ("ar", "m2r2_spec", "distance_spec", "two_model", "m2r2_exit", "distance_exit")
 SPEC_METHODS = ("m2r2_spec", "distance_spec", "two_model")
 EXIT_METHODS = ("m2r2_exit", "distance_exit")
+SELF_DRAFT_METHODS = ("m2r2_spec", "distance_spec")  # drafters that are part of the base (draft_vocab applies)
 DRAFT_LENGTHS = ("fixed", "dynamic")
 KV_MISSING = ("propagate", "deferred")
 DECIDERS = ("confidence", "saturation")
@@ -330,7 +331,7 @@ def build_engine(
         from m2r2_jax.decoding import draft_vocab as DV
         from m2r2_jax.models.transformer import head_kernel_columns
 
-        if method not in ("m2r2_spec", "distance_spec"):
+        if method not in SELF_DRAFT_METHODS:
             raise ConfigError(f"a draft vocabulary is for the self-drafting methods m2r2_spec and distance_spec, "
                               f"not {method}")
         ids = DV.check_ids(draft_vocab, cfg.vocab_size)

@@ -25,13 +25,19 @@ import numpy as np
 from m2r2_jax.errors import ConfigError
 
 
+def _first_outside(a: np.ndarray, vocab_size: int):
+    """The first id of `a` outside [0, vocab_size), or None."""
+    bad = a[(a < 0) | (a >= vocab_size)]
+    return int(bad[0]) if bad.size else None
+
+
 def count_tokens(sequences: Iterable[Sequence[int]], vocab_size: int) -> np.ndarray:
     """[V] int64: how often each token id occurs in `sequences` (ids outside [0, V) are an error)."""
     counts = np.zeros(vocab_size, np.int64)
     for seq in sequences:
         a = np.asarray(seq, np.int64).ravel()
-        if a.size and (a.min() < 0 or a.max() >= vocab_size):
-            bad = int(a[(a < 0) | (a >= vocab_size)][0])
+        bad = _first_outside(a, vocab_size)
+        if bad is not None:
             raise ConfigError(f"token id {bad} is outside the vocabulary (size {vocab_size})")
         counts += np.bincount(a, minlength=vocab_size)
     return counts
@@ -63,8 +69,8 @@ def check_ids(ids, vocab_size: int) -> np.ndarray:
         raise ConfigError("draft vocabulary is invalid: expected a list of token ids") from None
     if a.ndim != 1 or a.size == 0 or not np.issubdtype(a.dtype, np.integer):
         raise ConfigError("draft vocabulary is invalid: expected a non-empty list of integer token ids")
-    if a.min() < 0 or a.max() >= vocab_size:
-        bad = int(a[(a < 0) | (a >= vocab_size)][0])
+    bad = _first_outside(a, vocab_size)
+    if bad is not None:
         raise ConfigError(f"draft vocabulary is invalid: token id {bad} is outside the model's vocabulary "
                           f"(size {vocab_size})")
     if np.unique(a).size != a.size:
