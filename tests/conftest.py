@@ -1,6 +1,16 @@
 """Test setup: 8 fake CPU devices for sharding tests, float32 matmuls, small shared fixtures."""
 
 import os
+import sys
+from pathlib import Path
+
+# `python -m pytest` puts the working directory (the repository root) first on sys.path, where the
+# top-level kernels/ folder (installed as m2r2_jax.kernels) would shadow any installed `kernels`
+# distribution: transformers >= 5.25 depends on Hugging Face's `kernels` and imports it, so the
+# reference models of the interop tests failed to import. The tests use the installed package
+# (editable: m2r2_jax and m2r2_jax.kernels resolve without the root on sys.path), so drop it.
+_ROOT = Path(__file__).resolve().parents[1]
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _ROOT]
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
