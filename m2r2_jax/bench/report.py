@@ -144,6 +144,13 @@ def table(report: dict) -> str:
                 if all(rung in cs.get(pl, {}) for pl in plats):
                     best = [max(cs[pl][rung].items(), key=lambda kv: kv[1]) for pl in plats]
                     lines.append(f"  {rung + ' gated':<18}" + "".join(f"{v:>8.2f} @{float(g):<3.2g}" for g, v in best))
+            ch = moe.get("chunked_link")
+            if ch:
+                row = ch["speedup_vs_whole_expert_on_demand_lru"]
+                lines.append(f"  on a link moving {ch['chunks']} pieces per expert (a miss preempts a prefetch): "
+                             + ", ".join(f"{pl} m2r2_lfu {row['m2r2_lfu'][pl]:.2f} / next_gate_lfu "
+                                         f"{row['next_gate_lfu'][pl]:.2f} / on_demand_lfu {row['on_demand_lfu'][pl]:.2f}"
+                                         for pl in plats))
             need = moe.get("recall_needed")
             if need:
                 be = need["break_even_recall"]

@@ -239,9 +239,9 @@ class OffloadEngine:
         jax.block_until_ready(self.slots)
         self.stats = EngineStats()
 
-    def _load(self, layer: int, e: int, protect) -> Optional[int]:
+    def _load(self, layer: int, e: int, protect, prefetch: bool = False) -> Optional[int]:
         tab = self.tables[layer]
-        s = tab.victim(protect)
+        s = tab.victim(protect, incoming=e if prefetch else None)  # a prefetch must be admitted
         if s is None:
             return None
         tab.install(s, e)
@@ -263,7 +263,7 @@ class OffloadEngine:
                 tab.touch(s)
             elif confidence is not None and confidence[e] < self.min_confidence:
                 continue
-            elif self._load(layer, e, guess) is not None:
+            elif self._load(layer, e, guess, prefetch=True) is not None:
                 self.stats.prefetches += 1
 
     def prefetch_from_logits(self, layer: int, logits) -> None:

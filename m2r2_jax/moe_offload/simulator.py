@@ -7,6 +7,10 @@ Model (per decoded token, ops in schedule order; see `trace.py` for the op keys)
 * The link carries one expert at a time; a transfer takes latency + bytes / bandwidth. Blocking
   loads (misses) are served before queued prefetches (`demand_priority`, default; off = first
   come first served), and a queued prefetch whose slot is reused before it starts is cancelled.
+  With `link_chunks` > 1 an expert moves in that many pieces (each paying the latency) and a
+  blocking load also overtakes the rest of a prefetch already on the link, at its next chunk
+  boundary (a copy engine fed chunk by chunk, demand first); 1 (the default) moves whole
+  experts, as the real engine's `jax.device_put` per expert does.
 * Before each op, the predictor's guesses whose issue key is that op are prefetched (top
   `prefetch_k` experts; victims chosen by the layer's `SlotTable` policy, the layer's guess
   protected). With `min_confidence` only guesses at least that confident are fetched
@@ -21,7 +25,8 @@ Model (per decoded token, ops in schedule order; see `trace.py` for the op keys)
 * Policy "belady" (simulator only) evicts by next use, read from the trace's true routing: an
   expert's next use at layer l during token n is the first token m >= n that routes layer l to it
   (the current token's own demand is "now"; never again = inf). Under it a prefetch is skipped
-  when the victim would be needed no later than the prefetched expert.
+  when the victim would be needed no later than the prefetched expert; under the frequency
+  policies when the victim has been demanded more often (`SlotTable.victim`'s admission).
 
 Analytic anchors (tested): all resident -> total = compute; no reuse and no prediction -> total =
 compute + misses x transfer time; always max(compute, transfers) <= total <= compute + transfers.
@@ -59,6 +64,8 @@ class SimResult:
     fast_loads: int
     tokens: int
     cancelled: int = 0  # queued prefetches dropped because their slot was reused first
+    link_chunks: int = 1  # pieces per expert on the link (> 1: a demand preempts a prefetch)
+    link_busy_s: float = 0.0  # time the link spent moving chunks
 
     @property
     def hit_rate(self) -> float:
@@ -106,70 +113,96 @@ def _op_time(key, costs: CostModel) -> float:
 
 
 class Link:
-    """One transfer link serving one expert at a time.
+    """One transfer link serving one expert at a time, in `chunks` equal pieces per expert.
 
-    Transfers are (re)laid out in service order each time one is added: a started transfer cannot
-    move; queued ones can. With `demand_priority`, a blocking load (a miss, or a demand on an
-    expert still queued) goes ahead of queued prefetches; a queued prefetch whose slot was
-    overwritten before it started is cancelled (it moves no bytes)."""
+    Transfers are (re)laid out in service order each time one is added: a chunk that has started
+    cannot move; what is queued can. With `demand_priority`, a blocking load (a miss, or a demand
+    on an expert still queued) goes ahead of queued prefetches. With `chunks` > 1 it also goes
+    ahead of the rest of a prefetch already on the link, which resumes afterwards: a copy engine
+    fed chunk by chunk, demand first, so that a prefetch delays a miss by one chunk at most
+    instead of a whole expert. Every chunk pays the link latency. A queued prefetch whose slot
+    was overwritten before it started is cancelled (it moves no bytes); a prefetch preempted
+    part-way whose slot is overwritten stops there (the chunks it moved count)."""
 
-    def __init__(self, transfer_s: float, demand_priority: bool, on_ready):
-        self.transfer_s = transfer_s
+    def __init__(self, transfer_s: float, demand_priority: bool, on_ready, chunks: int = 1,
+                 latency_s: float = 0.0):
+        if chunks < 1:
+            raise ConfigError(f"link chunks={chunks} is invalid: expected a positive number of pieces per expert")
+        self.chunk_s = (transfer_s - latency_s) / chunks + latency_s
+        self.chunks = chunks
         self.demand_priority = demand_priority
         self.on_ready = on_ready  # callback(layer, slot, gen, ready_time)
-        self.pending: list = []  # not started at the last layout, in service order
-        self.committed_end = 0.0  # end of the last transfer that has started
-        self.committed = 0
+        self.pending: list = []  # not finished at the last layout, in service order
+        self.committed_end = 0.0  # end of the last chunk that has started
+        self.committed = 0  # transfers that moved at least one chunk
+        self.chunks_moved = 0
         self.cancelled = 0
 
+    @property
+    def busy_s(self) -> float:
+        return self.chunks_moved * self.chunk_s
+
     def _commit(self, now: float, live) -> None:
+        """Fix every chunk that has started by `now`; drop queued work whose slot was reused."""
         while self.pending and self.pending[0]["start"] <= now:
-            x = self.pending.pop(0)
-            self.committed_end = x["end"]
-            self.committed += 1
+            x = self.pending[0]
+            started = min(x["left"], int((now - x["start"]) // self.chunk_s) + 1)
+            if not x["moved"]:
+                self.committed += 1
+            x["moved"] += started
+            x["left"] -= started
+            self.chunks_moved += started
+            self.committed_end = x["start"] + started * self.chunk_s
+            if x["left"]:
+                x["start"] = self.committed_end  # the rest may yield to a demand (chunks > 1)
+                break
+            self.pending.pop(0)
         keep = [x for x in self.pending if live(x)]
-        self.cancelled += len(self.pending) - len(keep)
+        self.cancelled += sum(1 for x in self.pending if not live(x) and not x["moved"])
         self.pending = keep
 
     def _layout(self, now: float) -> None:
         free = max(now, self.committed_end)
         for x in self.pending:
             x["start"] = max(free, x["issue"])
-            x["end"] = free = x["start"] + self.transfer_s
+            x["end"] = free = x["start"] + x["left"] * self.chunk_s
             self.on_ready(x["layer"], x["slot"], x["gen"], x["end"])
+
+    def _first_after_blocking(self) -> int:
+        """Queue index a new blocking load takes: behind earlier blocking loads, ahead of every
+        prefetch (a prefetch in progress can yield only at a chunk boundary, i.e. when chunks > 1)."""
+        n = 0
+        while n < len(self.pending) and self.pending[n]["blocking"]:
+            n += 1
+        return n
 
     def add(self, now: float, layer: int, slot: int, gen: int, blocking: bool, live) -> None:
         self._commit(now, live)
-        x = {"issue": now, "layer": layer, "slot": slot, "gen": gen}
+        x = {"issue": now, "layer": layer, "slot": slot, "gen": gen, "blocking": blocking,
+             "left": self.chunks, "moved": 0}
         if blocking and self.demand_priority:
-            n_first = 0
-            while n_first < len(self.pending) and self.pending[n_first].get("blocking"):
-                n_first += 1  # behind earlier blocking loads, ahead of every queued prefetch
-            x["blocking"] = True
-            self.pending.insert(n_first, x)
+            self.pending.insert(self._first_after_blocking(), x)
         else:
-            x["blocking"] = blocking
             self.pending.append(x)
         self._layout(now)
 
     def promote(self, now: float, layer: int, slot: int, gen: int, live) -> None:
-        """A demand found its expert still queued: serve it before the remaining prefetches."""
+        """A demand found its expert still queued (or part-way): serve it before the prefetches."""
         if not self.demand_priority:
             return
         self._commit(now, live)
         for i, x in enumerate(self.pending):
-            if x["layer"] == layer and x["slot"] == slot and x["gen"] == gen and not x.get("blocking"):
+            if x["layer"] == layer and x["slot"] == slot and x["gen"] == gen and not x["blocking"]:
                 self.pending.pop(i)
-                n_first = 0
-                while n_first < len(self.pending) and self.pending[n_first].get("blocking"):
-                    n_first += 1
                 x["blocking"] = True
-                self.pending.insert(n_first, x)
+                self.pending.insert(self._first_after_blocking(), x)
                 self._layout(now)
                 return
 
     def finish(self) -> float:
-        self.committed += len(self.pending)
+        for x in self.pending:
+            self.committed += not x["moved"]
+            self.chunks_moved += x["left"]
         if self.pending:
             self.committed_end = self.pending[-1]["end"]
         self.pending = []
@@ -186,13 +219,16 @@ def simulate(
     all_resident: bool = False,
     demand_priority: bool = True,
     min_confidence: float = 0.0,
+    link_chunks: int = 1,
 ) -> SimResult:
     """Replay `trace` with `predictor`'s guesses (use "none" for on-demand loading).
 
     `predictor` may join several of the trace's predictors with "+" (e.g. "m2r2+next_gate"): each
     issues its own guess at its own issue point, so a later, better-informed guess can still bring
     in what an earlier one missed. `min_confidence`: prefetch only guesses whose confidence (see
-    `guess_confidence`, from `trace.probs`) is at least this; 0 prefetches every guess."""
+    `guess_confidence`, from `trace.probs`) is at least this; 0 prefetches every guess.
+    `link_chunks`: pieces per expert on the link (see `Link`); 1 moves whole experts, as the real
+    engine's `jax.device_put` does, and a demand then waits behind a prefetch already started."""
     check_policy(policy)
     parts = [] if predictor == "none" else predictor.split("+")
     for name in parts:
@@ -225,7 +261,7 @@ def simulate(
     prefetched = [[False] * capacity for _ in range(L)]
     t = 0.0
     res = SimResult(predictor if not all_resident else "all_resident", policy, capacity,
-                    0.0, 0.0, 0.0, 0, 0, 0, 0, 0, 0, 0, 0, trace.n_tokens)
+                    0.0, 0.0, 0.0, 0, 0, 0, 0, 0, 0, 0, 0, trace.n_tokens, link_chunks=link_chunks)
 
     def on_ready(layer, slot, g, when):
         if gen[layer][slot] == g:
@@ -234,7 +270,7 @@ def simulate(
     def live(x):
         return gen[x["layer"]][x["slot"]] == x["gen"]
 
-    link = Link(costs.transfer_s, demand_priority, on_ready)
+    link = Link(costs.transfer_s, demand_priority, on_ready, link_chunks, costs.link_latency_s)
 
     def install(layer: int, slot: int, e: int, now: float, blocking: bool) -> None:
         tables[layer].install(slot, e)
@@ -280,7 +316,7 @@ def simulate(
                 continue
             if conf is not None and conf[e] < min_confidence:
                 continue
-            s = tab.victim(protect=guess, incoming=e if belady else None)
+            s = tab.victim(protect=guess, incoming=e)
             if s is None:
                 continue
             install(layer, s, e, now, blocking=False)
@@ -312,8 +348,9 @@ def simulate(
             t = start + dur
     link_end = link.finish()
     res.transfers = link.committed
-    res.bytes_moved = link.committed * costs.expert_bytes
+    res.bytes_moved = link.chunks_moved * costs.expert_bytes // link_chunks
     res.cancelled = link.cancelled
+    res.link_busy_s = link.busy_s
     res.total_s = max(t, link_end)
     return res
 
@@ -332,7 +369,8 @@ def sweep(trace: RoutingTrace, predictors, costs_by_bw: dict, capacities, policy
 
 
 def transfer_bound(res: SimResult, costs: CostModel) -> float:
-    return res.transfers * costs.transfer_s
+    """Time the link was busy (whole experts at `costs.transfer_s` each, or their chunks)."""
+    return res.link_busy_s if res.link_chunks > 1 else res.transfers * costs.transfer_s
 
 
 def check_bounds(res: SimResult, costs: CostModel, tol: float = 1e-9) -> bool:

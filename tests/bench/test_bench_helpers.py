@@ -105,8 +105,13 @@ def test_table_moe_section():
            "simulated_speedup": {r: {pl: 1.0 for pl in plats} for r in ("on_demand_lfu", "m2r2", "m2r2_lfu")},
            "confidence_sweep": {pl: sweep for pl in plats},
            "recall_needed": {"recall": [0.86, 1.0], "break_even_recall": {"pcie_gen4": 0.93, "nvlink_c2c": None}},
-           "lead_needed": {"lead_layers": [1, 2, 3], "speedup": {"pcie_gen4": [1.0, 1.1, 1.2], "nvlink_c2c": [0.9, 1.3, 1.4]}}}
+           "lead_needed": {"lead_layers": [1, 2, 3], "speedup": {"pcie_gen4": [1.0, 1.1, 1.2], "nvlink_c2c": [0.9, 1.3, 1.4]}},
+           "chunked_link": {"chunks": 4, "speedup_vs_whole_expert_on_demand_lru": {
+               "m2r2_lfu": {"pcie_gen4": 1.25, "nvlink_c2c": 1.11}, "next_gate_lfu": {"pcie_gen4": 1.22, "nvlink_c2c": 1.1},
+               "on_demand_lfu": {"pcie_gen4": 1.24, "nvlink_c2c": 1.09}}}}
     text = R.table({"moe": moe})
+    assert ("on a link moving 4 pieces per expert (a miss preempts a prefetch): pcie_gen4 m2r2_lfu 1.25 / "
+            "next_gate_lfu 1.22 / on_demand_lfu 1.24, nvlink_c2c m2r2_lfu 1.11") in text
     assert "m2r2_lfu gated" in text and "next_gate_lfu gated" in text and "1.10 @2" in text
     assert "m2r2 recall after the branch 0.86" in text and "pcie_gen4 0.93, nvlink_c2c never" in text
     assert "(a = 1/2/3): pcie_gen4 1.00/1.10/1.20, nvlink_c2c 0.90/1.30/1.40" in text

@@ -80,6 +80,19 @@ def test_engine_with_m2r2_predictor_is_exact(moe):
     assert eng.stats.prefetches > 0
 
 
+@pytest.mark.parametrize("policy,admitted", [("lru", True), ("predictive", True), ("lfu", False),
+                                             ("predictive_lfu", False)])
+def test_engine_prefetch_never_evicts_a_more_demanded_expert_under_frequency_policies(moe, policy, admitted):
+    cfg, params, _ = moe
+    eng = OffloadEngine(cfg, params, capacity=2, policy=policy)
+    eng.prefetch(0, [4])  # a free slot: always admitted
+    assert eng.tables[0].slot_of(4) is not None and eng.stats.prefetches == 1
+    eng._demand(0, [0, 1])  # 0 and 1 demanded once each; 4 is evicted (demands always load)
+    eng.prefetch(0, [3])  # never demanded: the frequency policies refuse to evict 0 or 1 for it
+    assert (eng.tables[0].slot_of(3) is not None) == admitted
+    assert eng.stats.prefetches == 1 + admitted and eng.stats.transfers == 3 + admitted
+
+
 def test_engine_rejects_bad_input(moe):
     cfg, params, _ = moe
     with pytest.raises(ConfigError, match="capacity"):

@@ -17,7 +17,7 @@ from m2r2_jax.models.checkpoint import save_model
 from m2r2_jax.moe_offload.metrics import recall_per_layer
 from m2r2_jax.moe_offload.record import record_trace
 from m2r2_jax.moe_offload.predictors import fast_steps_needed
-from m2r2_jax.moe_offload.report import LADDER, SIMULATOR_ONLY, moe_report, run_engine, write_plots
+from m2r2_jax.moe_offload.report import LADDER, LINK_CHUNKS, SIMULATOR_ONLY, moe_report, run_engine, write_plots
 
 
 @pytest.fixture(scope="module")
@@ -117,6 +117,17 @@ def test_report_and_plots(setup, tmp_path):
         assert lead["on_demand_lfu"][plat] == pytest.approx(sp["on_demand_lfu"][plat])
         a = lead["shortest_lead_beating_lfu"][plat]
         assert a is None or lead["speedup"][plat][a - 1] > lead["on_demand_lfu"][plat]
+    # the ladder on a chunked link, against the same whole-expert on-demand LRU baseline
+    ch = rep["chunked_link"]
+    assert ch["chunks"] == LINK_CHUNKS and set(ch["speedup_vs_whole_expert_on_demand_lru"]) == set(LADDER)
+    for plat in ("pcie_gen4", "nvlink_c2c"):
+        row = {r: v[plat] for r, v in ch["speedup_vs_whole_expert_on_demand_lru"].items()}
+        assert row["all_resident"] == pytest.approx(sp["all_resident"][plat])  # nothing to move
+        assert row["on_demand_lru"] <= 1.0 + 1e-9  # chunks only add latency when nothing is prefetched
+        assert t["m2r2_lfu_faster_than_on_demand_lfu_on_a_chunked_link_per_platform"][plat] == (
+            row["m2r2_lfu"] > row["on_demand_lfu"])
+        assert t["m2r2_lfu_faster_than_on_demand_lfu_per_platform"][plat] == (
+            sp["m2r2_lfu"][plat] > sp["on_demand_lfu"][plat])
     json.dumps(rep)
     paths = write_plots(rep, tmp_path)
     assert len(paths) == 9 and all(os.path.getsize(p) > 1000 for p in paths)

@@ -124,6 +124,76 @@ def test_misses_overtake_queued_wrong_prefetches():
     assert fifo.stall_s > prio.stall_s
 
 
+def _one_wrong_guess_trace(tokens=1):
+    """One layer, 8 experts, top-2: the slow stream demands {0, 1}; the guess [4, 5] is issued at
+    the op just before the demand, so its first transfer is on the link when the misses arrive."""
+    true = np.array([[[0, 1]]] * tokens)
+    guess = np.array([[[4, 5, 0, 1, 2, 3, 6, 7]]] * tokens)
+    return RoutingTrace(1, 8, 2, true, {"bad": guess}, {"bad": [("moe", 0)]}, {}).validate()
+
+
+def test_a_chunked_link_lets_a_miss_preempt_a_prefetch_at_a_chunk_boundary():
+    # transfer 1 s, attention 1 s. Whole experts: the prefetch of 4 started at t=1 holds the link
+    # until 2, then the misses 0, 1 take [2, 3], [3, 4]: stall 3 s. Four chunks: 4 yields after its
+    # first chunk [1, 1.25], the misses take [1.25, 3.25] and the prefetches finish afterwards.
+    tr = _one_wrong_guess_trace()
+    costs = CostModel(1.0, 1.0, 0.0, 0.0, 1000, 0.0, 1000.0)
+    on_demand = simulate(tr, "none", costs, capacity=4)
+    whole = simulate(tr, "bad", costs, capacity=4, link_chunks=1)
+    chunked = simulate(tr, "bad", costs, capacity=4, link_chunks=4)
+    assert on_demand.stall_s == pytest.approx(2.0)
+    assert whole.stall_s == pytest.approx(3.0)
+    assert chunked.stall_s == pytest.approx(2.25)
+    assert whole.bytes_moved == chunked.bytes_moved == 4 * 1000  # preempted, not dropped
+    assert chunked.link_busy_s == pytest.approx(4.0) and check_bounds(chunked, costs)
+    assert simulate(tr, "bad", costs, capacity=4) == whole  # whole experts are the default
+
+
+def test_a_preempted_prefetch_whose_slot_is_reused_stops_with_the_chunks_it_moved():
+    # Two slots: the misses evict both prefetched experts. 4 had moved one of four chunks, 5 none.
+    tr = _one_wrong_guess_trace()
+    costs = CostModel(1.0, 1.0, 0.0, 0.0, 1000, 0.0, 1000.0)
+    chunked = simulate(tr, "bad", costs, capacity=2, link_chunks=4)
+    assert chunked.bytes_moved == 2250 and chunked.transfers == 3 and chunked.cancelled == 1
+    assert chunked.stall_s == pytest.approx(2.25) and chunked.link_busy_s == pytest.approx(2.25)
+    whole = simulate(tr, "bad", costs, capacity=2)
+    assert whole.bytes_moved == 3000 and whole.transfers == 3 and whole.cancelled == 1
+
+
+def test_chunks_pay_the_link_latency_each_and_change_nothing_without_prefetch():
+    tr = synthetic_trace(np.random.default_rng(7), 6, 3, 8, 2)
+    free = CostModel(1.0, 2.0, 1.5, 2.0, 1000, 0.0, 1000.0)
+    for policy in ("lru", "lfu"):
+        a = simulate(tr, "none", free, 4, policy)
+        b = simulate(tr, "none", free, 4, policy, link_chunks=5)
+        assert b.total_s == pytest.approx(a.total_s) and b.transfers == a.transfers
+        assert b.bytes_moved == a.bytes_moved
+    lat = CostModel(1.0, 2.0, 1.5, 2.0, 1000, 0.2, 1000.0)  # an expert: 0.2 + 1.0 s in one piece
+    one = simulate(tr, "none", lat, 4)
+    five = simulate(tr, "none", lat, 4, link_chunks=5)  # 5 x (0.2 + 0.2) s
+    assert one.stall_s == pytest.approx(one.demand_misses * 1.2)
+    assert five.stall_s == pytest.approx(five.demand_misses * 2.0)
+    with pytest.raises(ConfigError, match="chunks"):
+        simulate(tr, "none", lat, 4, link_chunks=0)
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 10_000), cap=st.integers(2, 6), bw=st.sampled_from([100.0, 1000.0, 1e5]),
+       pred=st.sampled_from(["oracle", "next_gate", "m2r2"]),
+       policy=st.sampled_from(["lru", "predictive", "lfu", "predictive_lfu", "belady"]),
+       chunks=st.sampled_from([2, 3, 8]))
+def test_chunked_link_bounds_hold_and_misses_never_wait_longer(seed, cap, bw, pred, policy, chunks):
+    tr = synthetic_trace(np.random.default_rng(seed), 6, 5, 8, 2)
+    costs = CostModel(1.0, 2.0, 1.5, 2.0, 1000, 0.0, bw)
+    r = simulate(tr, pred, costs, capacity=cap, policy=policy, link_chunks=chunks)
+    assert check_bounds(r, costs)
+    assert r.total_s >= r.compute_s + r.stall_s - 1e-9
+    assert r.demand_hits + r.demand_misses == 6 * 5 * 2
+    assert r.bytes_moved <= r.transfers * costs.expert_bytes
+    assert r.link_busy_s == pytest.approx(r.bytes_moved / costs.link_bytes_per_s,
+                                                abs=1.0 / costs.link_bytes_per_s)  # bytes are whole
+
+
 def test_bad_capacity_and_predictor_are_one_line_errors():
     tr = synthetic_trace(np.random.default_rng(4), 2, 2, 4, 2)
     with pytest.raises(ConfigError, match="capacity"):
@@ -169,6 +239,25 @@ def test_lfu_evicts_the_least_demanded_expert():
     p.set_prediction([5])
     assert p.victim() == 1  # 5 is the least demanded but predicted: the next least demanded goes
     assert SlotTable(3, "lfu").victim(protect=[1]) == 0  # free slots first
+
+
+def test_frequency_policies_admit_a_prefetch_only_over_a_victim_demanded_no_more_often():
+    for policy in ("lfu", "predictive_lfu"):
+        t = SlotTable(2, policy)
+        t.install(0, 5)
+        t.install(1, 6)
+        t.count_uses([5, 5, 6])
+        assert t.victim() == 1  # a demand always gets a slot
+        assert t.victim(incoming=7) is None  # never demanded: 6 (once) stays
+        t.count_uses([7])
+        assert t.victim(incoming=7) == 1  # a tie admits
+        t.count_uses([7, 7])
+        assert t.victim(incoming=7) == 1  # the least demanded is still the victim
+    for policy in ("lru", "predictive"):
+        t = SlotTable(1, policy)
+        t.install(0, 5)
+        t.count_uses([5, 5])
+        assert t.victim(incoming=7) == 0  # recency policies admit every prefetch
 
 
 def test_lfu_keeps_the_popular_expert_that_lru_cycles_out():
