@@ -186,15 +186,17 @@ def _timing_engines(head_sign: float):
     params = sharpen(cfg, params, head_sign)
     mcfg = default_m2r2_config(cfg)
     m2r2 = (mcfg, random_m2r2(cfg, mcfg, 0))
-    engines = {m: api.build_engine(m, cfg, params, max_new_tokens=12, gamma=2, m2r2=m2r2)
+    engines = {m: api.build_engine(m, cfg, params, max_new_tokens=16, gamma=2, m2r2=m2r2)
                for m in ("m2r2_spec", "distance_spec")}
-    return engines, api.build_engine("ar", cfg, params, max_new_tokens=12)
+    return engines, api.build_engine("ar", cfg, params, max_new_tokens=16)
 
 
 def test_round_cost_components_keep_every_pass_live():
     """Each timed component's result depends on the logits its pass computes (so the compiler
     cannot drop the LM head from the timing), computed from the parameters in its carry: flipping
-    the sign of the LM head there changes every component's output. The round keeps decoding at the same positions however often it runs."""
+    the sign of the LM head there changes every component's output. Every pass and the round decode
+    at new positions each iteration (commit_width further on), wrapping before max_new, so the
+    sequence never finishes however often they run."""
     import jax
 
     comps = [S.round_cost_components(*_timing_engines(sign), [1, 2, 3], width=4) for sign in (1.0, -1.0)]
@@ -208,11 +210,22 @@ def test_round_cost_components_keep_every_pass_live():
         a, b = outs[0][key], outs[1][key]
         assert (a.pending != b.pending).any() or (a.out != b.out).any(), key
     engines, ar = _timing_engines(1.0)
-    fn, carry = S.round_cost_components(engines, ar, [1, 2, 3], width=4)[("m2r2_spec", "round")]
-    _, st = jax.jit(lambda c: fn(fn(fn(c))))(carry)
-    start = carry[1]
-    assert int(st.n_gen[0]) == int(start.n_gen[0]) and not bool(st.done[0])
-    assert int(st.out[0, 1:].astype(bool).sum()) > 0  # the round's commit wrote tokens
+    comps = S.round_cost_components(engines, ar, [1, 2, 3], width=4)
+    for key, (fn, carry) in comps.items():
+        if key[1] == "prefill":
+            continue
+        spec = (ar if key[0] == "ar" else engines[key[0]]).spec
+        stride, span = spec.commit_width, spec.max_new - spec.commit_width
+        assert span > 3 * stride  # the engines leave room for three moves before the wrap
+        n_gen = [int(carry[1].n_gen[0])]
+        for _ in range(span // stride + 2):  # past the wrap
+            carry = jax.jit(fn)(carry)
+            n_gen.append(int(carry[1].n_gen[0]))
+            assert not bool(carry[1].done[0]), key
+        assert n_gen[:4] == [1, 1 + stride, 1 + 2 * stride, 1 + 3 * stride], key
+        assert all(1 <= n <= span for n in n_gen) and all(a != b for a, b in zip(n_gen, n_gen[1:])), key
+        if key[1] == "round":
+            assert int(carry[1].out[0, 1:].astype(bool).sum()) > 0  # the round's commit wrote tokens
 
 
 def test_prefill_component_is_the_engines_prefill_and_stays_in_the_loop():
