@@ -63,6 +63,7 @@ class Budget:
     moe_prompts: int
     gamma_candidates: tuple  # draft lengths the tuning step measures (bench/gamma.py)
     calibration_prompts: int  # held-out prompts it measures acceptance on (not the benchmark's)
+    context_prompts: int  # held-out windows whose first speculative round is measured (real text)
 
 
 BUDGETS = {
@@ -70,12 +71,14 @@ BUDGETS = {
     "full": Budget(dense_steps=150, moe_steps=50, draft_steps=80, distill_steps=240, router_steps=30,
                    moe_distill_steps=30, batch_size=8, seq_len=128, n_prompts=5, prompt_len=32,
                    max_new_tokens=96, batch_sizes=(1, 4, 16), repeats=3, thresholds=(0.5, 0.7, 0.9),
-                   align_batches=4, moe_prompts=3, gamma_candidates=(2, 4, 6, 8), calibration_prompts=3),
+                   align_batches=4, moe_prompts=3, gamma_candidates=(2, 4, 6, 8), calibration_prompts=8,
+                   context_prompts=32),
     # ~3 minutes: the same pipeline, smaller everything
     "tiny": Budget(dense_steps=30, moe_steps=15, draft_steps=15, distill_steps=20, router_steps=10,
                    moe_distill_steps=10, batch_size=8, seq_len=64, n_prompts=3, prompt_len=16,
                    max_new_tokens=16, batch_sizes=(1, 4), repeats=1, thresholds=(0.5, 0.9),
-                   align_batches=1, moe_prompts=2, gamma_candidates=(2, 4), calibration_prompts=2),
+                   align_batches=1, moe_prompts=2, gamma_candidates=(2, 4), calibration_prompts=2,
+                   context_prompts=8),
 }
 
 
@@ -214,6 +217,11 @@ def run_demo(out, budget_name: str = "full", force: bool = False, skip_moe: bool
     report["speculative_sampled"] = S.sampled_comparison(
         base_cfg, base_params, prompts, max_new_tokens=budget.max_new_tokens, temperature=SAMPLED_TEMPERATURE,
         gamma=gammas, m2r2=(mcfg, m2r2_params), repeats=budget.repeats, progress=_say)
+    # the answers loop (a young base), which flatters every drafter: acceptance on real text too
+    _say(f"speculative: the first round after {budget.context_prompts} held-out text windows")
+    contexts = heldout_prompts(tok, budget.context_prompts, budget.prompt_len, phase=0.25)
+    report["speculative_heldout_contexts"] = S.context_acceptance(base_cfg, base_params, contexts, gamma=gammas,
+                                                                  m2r2=(mcfg, m2r2_params), draft=draft)
     timings["speculative_s"] = time.time() - t0
 
     t0 = time.time()

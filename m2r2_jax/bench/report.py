@@ -94,6 +94,14 @@ def table(report: dict) -> str:
             lines.append(f"  ar's greedy answers: {spec['ar']['distinct_token_fraction']:.0%} distinct tokens"
                          + ("  (they loop: acceptance is inflated for every drafter)"
                             if spec["ar"]["distinct_token_fraction"] < 0.3 else ""))
+        ctx = report.get("speculative_heldout_contexts")
+        if ctx:
+            n = max(v["contexts"] for v in ctx.values())
+            lines.append(f"  first round after {n} held-out text windows (real text), tokens per verification: "
+                         + ", ".join(f"{m} {v['mean_accepted_tokens']:.2f}"
+                                     + (f" (answers {spec[m]['mean_accepted_tokens']:.2f})"
+                                        if "mean_accepted_tokens" in spec.get(m, {}) else "")
+                                     + f" at gamma {v['gamma']}" for m, v in ctx.items()))
         for m, rec in report.get("gamma_tuning", {}).items():
             lines.append("  draft length " + format_choice(m, rec))
         for m in SPEC_ORDER[1:]:

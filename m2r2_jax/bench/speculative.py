@@ -38,6 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from m2r2_jax.decoding import api
+from m2r2_jax.errors import ConfigError
 
 SPEC_METHODS = ("m2r2_spec", "distance_spec", "two_model")
 COST_SAMPLES = 7  # in-graph cost measurements per benchmark (medians over them)
@@ -471,6 +472,40 @@ def ideal_answer_speedup(results, ar_results, costs: dict) -> float:
     tps = [len(r.tokens) / (costs["t_prefill"] + r.rounds * per_round) for r in results]
     tps_ar = [len(r.tokens) / (costs["t_prefill_ar"] + r.rounds * costs["t_ar_step"]) for r in ar_results]
     return float(np.mean(tps) / np.mean(tps_ar))
+
+
+def context_acceptance(cfg, base_params, contexts: Sequence[Sequence[int]], *, gamma, m2r2=None, draft=None,
+                       methods: Sequence[str] = SPEC_METHODS, batch_size: int = 8, draft_vocab=None) -> dict:
+    """Tokens per verification of each speculative method's *first* round after each of `contexts`
+    (real text, e.g. held-out windows), greedy.
+
+    A young base's greedy answers loop on a few tokens, which every drafter predicts well, so the
+    acceptance over whole answers overstates what a drafter does on text. The first round after a
+    real prefix verifies the base model's own greedy continuation of real text against the
+    drafter's guesses of it, so its acceptance is measured on real text. `gamma`: one draft length
+    or {method: gamma}, as in `compare_methods`. Returns {method: {"mean_accepted_tokens",
+    "acceptance_by_position" (P(draft position k accepted), k = 1..gamma), "contexts", "gamma"}}."""
+    from m2r2_jax.bench.gamma import gamma_of
+
+    if not contexts:
+        raise ConfigError("context acceptance needs at least one context")
+    width = max(len(c) for c in contexts)
+    out = {}
+    for m in methods:
+        if m == "two_model" and draft is None:
+            continue
+        g = gamma_of(gamma, m)
+        # max_new = g + 2: the prefill's token, then room for one whole round (g drafts + 1)
+        engine = api.build_engine(m, cfg, base_params, max_new_tokens=g + 2, gamma=g, m2r2=m2r2, draft=draft,
+                                  **vocab_option(m, draft_vocab))
+        results = api.run_engine(engine, contexts, batch_size=batch_size, width=width, fixed_batch=True)
+        first = np.asarray([r.accepted[0] for r in results if r.accepted])  # none if the prefill ended it (EOS)
+        if first.size == 0:
+            raise ConfigError(f"no context left a verification round for {m} (every first token was EOS)")
+        out[m] = {"mean_accepted_tokens": float(first.mean()),
+                  "acceptance_by_position": [float(np.mean(first - 1 >= k)) for k in range(1, g + 1)],
+                  "contexts": int(first.size), "gamma": g}
+    return out
 
 
 def distinct_token_fraction(results) -> float:

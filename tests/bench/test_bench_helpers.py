@@ -90,6 +90,12 @@ def test_targets_table_and_plots(tmp_path):
     assert "sampled (temperature 0.8)" in text and "m2r2_spec 1.10x, 2.50 accepted" in text and "they loop" in text
     assert "m2r2_spec" in text and "MISSED" in text and "alignment" in text
     assert "whole round" not in text  # reports from before the round was timed still print
+    assert "held-out text windows" not in text
+    rep["speculative_heldout_contexts"] = {
+        "m2r2_spec": {"mean_accepted_tokens": 2.4, "acceptance_by_position": [0.8, 0.6], "contexts": 32, "gamma": 2},
+        "distance_spec": {"mean_accepted_tokens": 1.5, "acceptance_by_position": [0.5, 0.0], "contexts": 32, "gamma": 2}}
+    assert ("first round after 32 held-out text windows (real text), tokens per verification: m2r2_spec 2.40 "
+            "(answers 3.00) at gamma 2, distance_spec 1.50 (answers 2.00) at gamma 2") in R.table(rep)
     rep["speculative"]["m2r2_spec"]["costs"].update(round_cost_ratio=2.9, round_overhead=0.45)
     rep["speculative"]["m2r2_spec"]["ideal_speedup_from_round"] = 1.31
     assert "whole round 2.90 ar-steps (+0.45 beyond the two passes), bound 1.31x" in R.table(rep)

@@ -3,10 +3,12 @@
 import itertools
 
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from m2r2_jax.bench import speculative as S
 from m2r2_jax.decoding.api import SequenceResult
+from m2r2_jax.errors import ConfigError
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 5])
@@ -171,6 +173,39 @@ def test_sampled_comparison_and_distinct_fraction():
     looping = [SequenceResult(tokens=[7, 7, 7, 7], accepted=[], rounds=1, target_layers=0, draft_layers=0),
                SequenceResult(tokens=[1, 2], accepted=[], rounds=1, target_layers=0, draft_layers=0)]
     assert S.distinct_token_fraction(looping) == pytest.approx((1 / 4 + 1) / 2)
+
+
+def test_context_acceptance_is_the_first_round_after_each_context():
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "decoding"))
+    from decoding_helpers import model, random_m2r2, sharpen
+    from m2r2_jax.decoding import api
+    from m2r2_jax.m2r2.loading import default_m2r2_config
+
+    cfg, params = model("llama", vocab_size=64)
+    params = sharpen(cfg, params, 1.0)
+    mcfg = default_m2r2_config(cfg)
+    m2r2 = (mcfg, random_m2r2(cfg, mcfg, 0))
+    contexts = [[1, 2, 3], [4, 5, 6, 7], [9, 8], [10, 11, 12], [13], [20, 30, 40, 50]]
+    out = S.context_acceptance(cfg, params, contexts, gamma={"m2r2_spec": 3, "distance_spec": 2}, m2r2=m2r2,
+                               draft=(cfg, params), batch_size=4)
+    assert set(out) == {"m2r2_spec", "distance_spec", "two_model"}
+    # a draft model that is the target itself guesses every token: every draft is accepted
+    assert out["two_model"]["mean_accepted_tokens"] == 5.0 and out["two_model"]["acceptance_by_position"] == [1.0] * 4
+    for m, g in (("m2r2_spec", 3), ("distance_spec", 2)):
+        rec = out[m]
+        assert rec["gamma"] == g and rec["contexts"] == len(contexts)
+        # the same first rounds as a longer generation from the same contexts
+        long = api.run_engine(api.build_engine(m, cfg, params, max_new_tokens=12, gamma=g, m2r2=m2r2), contexts,
+                              batch_size=4, fixed_batch=True)
+        first = np.asarray([r.accepted[0] for r in long])
+        assert rec["mean_accepted_tokens"] == pytest.approx(first.mean())
+        assert rec["acceptance_by_position"] == pytest.approx([np.mean(first > k) for k in range(1, g + 1)])
+        assert all(a >= b for a, b in zip(rec["acceptance_by_position"], rec["acceptance_by_position"][1:]))
+    with pytest.raises(ConfigError, match="at least one context"):
+        S.context_acceptance(cfg, params, [], gamma=2, m2r2=m2r2)
 
 
 def _timing_engines(head_sign: float):
