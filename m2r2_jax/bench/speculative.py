@@ -267,8 +267,9 @@ def round_cost_components(engines: dict, ar_engine, prompt: Sequence[int], width
 def round_component(engine, prompt: Sequence[int], width: int, tau: float = 0.5):
     """(fn, carry) for `in_graph_seconds`: one decoding round of `engine` (an ar step, or a whole
     speculative round: draft, verify, acceptance, commit), kept running from the prefill of
-    `prompt` (batch 1), each iteration `commit_width` positions further on (`_advance`). The carry is (params, state): the parameters are runtime
-    values of the loop, as in the real generation program. Closed over as constants, they would
+    `prompt` (batch 1), each iteration `commit_width` positions further on (`_advance`). The
+    carry is (params, state): the parameters are runtime values of the loop, as in the real
+    generation program. Closed over as constants, they would
     let the compiler fold work on the weights that the real program pays for (slices of the
     layer stack, for one)."""
     toks, lengths, valid = api.pad_batch([prompt], 1, width)
