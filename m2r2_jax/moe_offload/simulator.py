@@ -369,7 +369,10 @@ def sweep(trace: RoutingTrace, predictors, costs_by_bw: dict, capacities, policy
 
 
 def transfer_bound(res: SimResult, costs: CostModel) -> float:
-    """Time the link was busy (whole experts at `costs.transfer_s` each, or their chunks)."""
+    """Time the link was busy. Whole experts: the cost model's transfers x `costs.transfer_s`,
+    independent of the simulator's own accounting, so the bounds check that too. Chunks: a
+    preempted prefetch may stop part-way, which the result's counts cannot express, so the link's
+    own busy time (`link_busy_s`)."""
     return res.link_busy_s if res.link_chunks > 1 else res.transfers * costs.transfer_s
 
 
