@@ -21,6 +21,7 @@ import shutil
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 import jax
 
@@ -149,10 +150,27 @@ def _write_json(path: Path, obj) -> None:
     write_text_atomic(path, json.dumps(obj, indent=2))
 
 
-def run_demo(out, budget_name: str = "full", force: bool = False, skip_moe: bool = False) -> dict:
+STEP_OVERRIDES = ("dense_steps", "distill_steps")
+
+
+def budget_with(budget_name: str, steps: Optional[dict] = None) -> Budget:
+    """The named budget with step counts replaced by `steps` {field: n} (fields STEP_OVERRIDES)."""
     if budget_name not in BUDGETS:
         raise ConfigError(f"--budget={budget_name!r} is invalid: expected one of {', '.join(BUDGETS)}")
-    budget = BUDGETS[budget_name]
+    steps = dict(steps or {})
+    for k, v in steps.items():
+        if k not in STEP_OVERRIDES:
+            raise ConfigError(f"{k} cannot be overridden: expected one of {', '.join(STEP_OVERRIDES)}")
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ConfigError(f"--{k}={v!r} is invalid: expected a positive integer")
+    return dataclasses.replace(BUDGETS[budget_name], **steps)
+
+
+def run_demo(out, budget_name: str = "full", force: bool = False, skip_moe: bool = False,
+             steps: Optional[dict] = None) -> dict:
+    """The main job (see the module docstring). `steps` overrides the budget's step counts
+    (`budget_with`); the artifacts are keyed by their configs, so other counts train new ones."""
+    budget = budget_with(budget_name, steps)
     out = Path(out).absolute()
     arts = out / "artifacts"
     arts.mkdir(parents=True, exist_ok=True)

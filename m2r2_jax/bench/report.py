@@ -49,6 +49,21 @@ def _accepted_at_equal_gamma(report: dict, m: dict, d: dict) -> dict:
     return {"value": acc, "gamma": g, "source": "benchmark runs", "met": acc[0] > acc[1]}
 
 
+def _base_quality_line(report: dict) -> str:
+    """How far the base is trained, printed next to the speedups that depend on it: a young base's
+    later layers change few of its predictions, so every self-drafter's acceptance is high on it
+    and falls as the base learns (docs/RESULTS.md, "How the speedup depends on the base's training")."""
+    pre = report.get("models", {}).get("base", {}).get("pretrain", {})
+    if "heldout_loss" not in pre:
+        return ""
+    line = f"  base: held-out loss {pre['heldout_loss']:.2f} nats/token after {pre.get('step', '?')} pre-training steps"
+    slow = report.get("alignment", {}).get("slow_agreement")
+    if slow:
+        half = len(slow) // 2
+        line += f"; its layer {half} agrees with its output on {slow[half - 1]:.0%} of held-out tokens"
+    return line
+
+
 def _sampled_speedups(by_method: dict) -> str:
     """"m2r2_spec 1.25x, 4.36 accepted, ..." for the speculative methods present in `by_method`."""
     return ", ".join(f"{m} {by_method[m]['speedup_vs_ar']:.2f}x, {by_method[m]['mean_accepted_tokens']:.2f} accepted"
@@ -94,6 +109,9 @@ def table(report: dict) -> str:
             lines.append(f"  ar's greedy answers: {spec['ar']['distinct_token_fraction']:.0%} distinct tokens"
                          + ("  (they loop: acceptance is inflated for every drafter)"
                             if spec["ar"]["distinct_token_fraction"] < 0.3 else ""))
+        base_line = _base_quality_line(report)
+        if base_line:
+            lines.append(base_line)
         ctx = report.get("speculative_heldout_contexts")
         if ctx:
             n = max(v["contexts"] for v in ctx.values())

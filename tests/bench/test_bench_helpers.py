@@ -47,7 +47,7 @@ def test_prompt_file_and_errors(tmp_path):
 def _fake_report():
     sweep = lambda s: [{"batch_size": 1, "tokens_per_s": 10 * s, "speedup_vs_ar": s}]
     spec = {"ar": {"tokens_per_s": 10.0, "speedup_vs_ar": 1.0, "mean_accepted_tokens": 1.0, "efficiency": 1.0,
-                   "identical_to_ar": False, "batch_sweep": sweep(1.0)}}
+                   "identical_to_ar": None, "batch_sweep": sweep(1.0)}}
     for m, s, acc in (("m2r2_spec", 1.6, 3.0), ("distance_spec", 1.2, 2.0)):
         spec[m] = {"tokens_per_s": 10 * s, "speedup_vs_ar": s, "mean_accepted_tokens": acc, "efficiency": 0.9,
                    "ideal_speedup": s / 0.9, "identical_to_ar": True, "batch_sweep": sweep(s),
@@ -91,6 +91,10 @@ def test_targets_table_and_plots(tmp_path):
     assert "m2r2_spec" in text and "MISSED" in text and "alignment" in text
     assert "whole round" not in text  # reports from before the round was timed still print
     assert "held-out text windows" not in text
+    assert "base: held-out loss" not in text  # a report without the base's pre-training summary
+    rep["models"] = {"base": {"pretrain": {"step": 150, "heldout_loss": 5.3706}}}
+    assert ("base: held-out loss 5.37 nats/token after 150 pre-training steps; its layer 2 agrees with its "
+            "output on 20% of held-out tokens") in R.table(rep)
     rep["speculative_heldout_contexts"] = {
         "m2r2_spec": {"mean_accepted_tokens": 2.4, "acceptance_by_position": [0.8, 0.6], "contexts": 32, "gamma": 2},
         "distance_spec": {"mean_accepted_tokens": 1.5, "acceptance_by_position": [0.5, 0.0], "contexts": 32, "gamma": 2}}
@@ -121,3 +125,19 @@ def test_table_moe_section():
     assert "m2r2_lfu gated" in text and "next_gate_lfu gated" in text and "1.10 @2" in text
     assert "m2r2 recall after the branch 0.86" in text and "pcie_gen4 0.93, nvlink_c2c never" in text
     assert "(a = 1/2/3): pcie_gen4 1.00/1.10/1.20, nvlink_c2c 0.90/1.30/1.40" in text
+
+
+def test_budget_with_step_overrides():
+    from m2r2_jax.bench.demo import BUDGETS, budget_with
+    from m2r2_jax.errors import ConfigError
+
+    b = budget_with("full", {"dense_steps": 500, "distill_steps": 480})
+    assert (b.dense_steps, b.distill_steps) == (500, 480)
+    assert b.moe_steps == BUDGETS["full"].moe_steps and BUDGETS["full"].dense_steps == 150  # a copy, not a change
+    assert budget_with("tiny") == BUDGETS["tiny"]
+    for bad, word in (({"dense_steps": 0}, "positive"), ({"distill_steps": True}, "positive"),
+                      ({"moe_steps": 5}, "cannot be overridden")):
+        with pytest.raises(ConfigError, match=word):
+            budget_with("full", bad)
+    with pytest.raises(ConfigError, match="--budget"):
+        budget_with("huge")

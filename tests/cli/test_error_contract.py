@@ -201,6 +201,8 @@ CASES = [
     ("demo-out-in-file", "demo --out {file}/demo --budget tiny", ["a_file"], None),
     ("demo-positional", "demo junk --out {out}", ["junk"], None),
     ("demo-bool-value", "demo --out {out} --skip_moe=maybe", ["skip_moe"], None),
+    ("demo-dense-steps-zero", "demo --out {out} --budget tiny --dense_steps 0", ["--dense_steps", "positive"], None),
+    ("demo-distill-steps-text", "demo --out {out} --distill_steps many", ["distill_steps"], None),
     # aot-check (the sharding verb)
     ("aot-check-no-model", "aot-check --out {out}.json", ["--model"], None),
     ("aot-check-memory-text", "aot-check --model={repo}/configs/models/tiny_dense.py --device_memory abc "
