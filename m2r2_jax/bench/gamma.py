@@ -92,6 +92,7 @@ def parse_candidates(values: Sequence, what: str = "--gamma_candidates") -> tupl
 def tune_gammas(methods: Sequence[str], cfg, base_params, prompts: Sequence[Sequence[int]], *,
                 max_new_tokens: int, candidates: Sequence[int] = DEFAULT_CANDIDATES, temperature: float = 0.0,
                 top_p: float = 1.0, m2r2=None, draft=None, plan=None, repeats: int = 5, bar: str = "",
+                layer_loop: str = "scan",
                 draft_vocab=None) -> dict:
     """Choose the draft length of every speculative method in `methods` (see the module
     docstring): acceptance at the largest candidate on `prompts`, then one round of every
@@ -111,7 +112,7 @@ def tune_gammas(methods: Sequence[str], cfg, base_params, prompts: Sequence[Sequ
 
     def build(m, g=1):
         return api.build_engine(m, cfg, base_params, max_new_tokens=max_new_tokens, temperature=temperature,
-                                top_p=top_p, gamma=g, m2r2=m2r2, draft=draft, plan=plan,
+                                top_p=top_p, gamma=g, m2r2=m2r2, draft=draft, plan=plan, layer_loop=layer_loop,
                                 **S.vocab_option(m, draft_vocab))
 
     components = {("ar", 0): S.round_component(build("ar"), prompts[0], width)}

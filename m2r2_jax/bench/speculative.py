@@ -382,11 +382,13 @@ def compare_methods(
     progress=None,
     plan=None,
     draft_vocab=None,
+    layer_loop: str = "scan",
 ) -> dict:
     """Greedy speculative decoding side by side with ar. Returns report["speculative"]. `gamma`:
     one draft length for every method or {method: gamma} (see `bench.gamma`). `plan`: run every
     method sharded (`sharding.ShardingPlan`, e.g. the specdec preset). `draft_vocab`: the token
-    ids m2r2_spec's and distance_spec's draft heads score (`decoding.draft_vocab`)."""
+    ids m2r2_spec's and distance_spec's draft heads score (`decoding.draft_vocab`). `layer_loop`:
+    every engine's (`api.build_engine`)."""
     from m2r2_jax.bench.gamma import gamma_of
 
     width = max(len(p) for p in prompts)
@@ -395,7 +397,8 @@ def compare_methods(
         if m == "two_model" and draft is None:
             continue
         engines[m] = api.build_engine(m, cfg, base_params, max_new_tokens=max_new_tokens, gamma=gamma_of(gamma, m),
-                                      m2r2=m2r2, draft=draft, plan=plan, **vocab_option(m, draft_vocab))
+                                      m2r2=m2r2, draft=draft, plan=plan, layer_loop=layer_loop,
+                                      **vocab_option(m, draft_vocab))
     spec_engines = {m: e for m, e in engines.items() if m != "ar"}
     if progress:
         progress("speculative: compiling the draft, verify, round, prefill and ar step cost loops")
@@ -519,17 +522,17 @@ def distinct_token_fraction(results) -> float:
 def sampled_comparison(cfg, base_params, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
                        temperature: float, top_p: float = 1.0, gamma=4, m2r2=None, draft=None,
                        methods: Sequence[str] = ("ar", "m2r2_spec", "distance_spec"), repeats: int = 3,
-                       progress=None, plan=None, draft_vocab=None) -> dict:
+                       progress=None, plan=None, draft_vocab=None, layer_loop: str = "scan") -> dict:
     """Speed and acceptance with sampling, side by side with sampled ar. Speculative sampling is
     lossless in distribution (pinned by the decoding tests), so answers differ from ar's draw by
     draw and no identity is checked; the point is acceptance on text that does not loop. `gamma`,
-    `draft_vocab`: as in `compare_methods`."""
+    `draft_vocab`, `layer_loop`: as in `compare_methods`."""
     from m2r2_jax.bench.gamma import gamma_of
 
     width = max(len(p) for p in prompts)
     runners = {m: (api.build_engine(m, cfg, base_params, max_new_tokens=max_new_tokens, temperature=temperature,
                                     top_p=top_p, gamma=gamma_of(gamma, m), m2r2=m2r2, draft=draft, plan=plan,
-                                    **vocab_option(m, draft_vocab)), 0.5)
+                                    layer_loop=layer_loop, **vocab_option(m, draft_vocab)), 0.5)
                for m in methods}
     if progress:
         progress(f"speculative sampling (temperature {temperature}): {', '.join(methods)} side by side")

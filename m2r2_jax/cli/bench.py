@@ -30,6 +30,8 @@ flags.DEFINE_integer("calibration_prompts", 4, "--gamma auto: prompts after the 
                      "that acceptance is measured on", lower_bound=1)
 flags.DEFINE_list("batch_sizes", ["1", "4", "16"], "batch sizes of the throughput sweep")
 flags.DEFINE_integer("repeats", 3, "timing repeats (median kept)", lower_bound=1)
+flags.DEFINE_enum("layer_loop", "scan", ["scan", "unrolled"], "every engine's layer loop: a lax.scan over the stacked "
+                  "layers, or unrolled over per-layer weights (faster one-token steps on CPU; no --sharding plan)")
 flags.DEFINE_string("out", None, "output directory")
 flags.DEFINE_integer("cpu_cores", 0, "CPU benchmarks: pin the process to the first N cores it may use "
                      "before JAX starts (0: all); see m2r2_jax/bench/cpu_cores.py", lower_bound=0)
@@ -112,7 +114,7 @@ def main(argv):
             f"calibration prompts, round costs at gamma {', '.join(map(str, candidates))}")
         records = G.tune_gammas(spec_methods, base_cfg, base_params, calib, max_new_tokens=FLAGS.max_new_tokens,
                                 candidates=candidates, m2r2=(mcfg, m2r2_params), draft=draft, plan=plan,
-                                bar="draft lengths", draft_vocab=vocab)
+                                bar="draft lengths", draft_vocab=vocab, layer_loop=FLAGS.layer_loop)
         for m, rec in records.items():
             say("  " + G.format_choice(m, rec))
         return records
@@ -120,8 +122,10 @@ def main(argv):
     gammas, tuning = G.resolve_gammas(gamma, methods, tune)
     spec = compare_methods(base_cfg, base_params, prompts, max_new_tokens=FLAGS.max_new_tokens, gamma=gammas,
                            m2r2=(mcfg, m2r2_params), draft=draft, methods=methods, batch_sizes=batch_sizes,
-                           repeats=FLAGS.repeats, plan=plan, progress=say, draft_vocab=vocab)
-    report = {"device": _device(), "prompts": FLAGS.prompts, "n_prompts": len(prompts),
+                           repeats=FLAGS.repeats, plan=plan, progress=say, draft_vocab=vocab,
+                           layer_loop=FLAGS.layer_loop)
+    report = {"device": _device(), "layer_loop": FLAGS.layer_loop, "prompts": FLAGS.prompts,
+              "n_prompts": len(prompts),
               "fresh_m2r2_params": fresh, "sharding": plan.describe() if plan else None, "m2r2": mcfg.to_dict(),
               "draft_vocab": None if vocab is None else {
                   "file": FLAGS.draft_vocab, "size": int(vocab.size),
@@ -135,7 +139,7 @@ def main(argv):
         report["speculative_sampled"] = sampled_comparison(
             base_cfg, base_params, prompts, max_new_tokens=FLAGS.max_new_tokens, temperature=FLAGS.temperature,
             top_p=FLAGS.top_p, gamma=gammas, m2r2=(mcfg, m2r2_params), draft=draft, methods=methods,
-            repeats=FLAGS.repeats, plan=plan, progress=say, draft_vocab=vocab)
+            repeats=FLAGS.repeats, plan=plan, progress=say, draft_vocab=vocab, layer_loop=FLAGS.layer_loop)
     report["targets"] = R.targets(report)
     out = Path(FLAGS.out)
     import jax

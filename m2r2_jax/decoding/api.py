@@ -48,6 +48,7 @@ from m2r2_jax.decoding.loop import GenState, prefill, run_rounds
 from m2r2_jax.decoding.sampling import Sampling
 from m2r2_jax.errors import ConfigError, DataError
 from m2r2_jax.models.config import ModelConfig
+from m2r2_jax.models.transformer import unstack_layers
 from m2r2_jax.sharding.plan import maybe_scope
 
 METHODS = ("ar", "m2r2_spec", "distance_spec", "two_model", "m2r2_exit", "distance_exit")
@@ -56,6 +57,7 @@ EXIT_METHODS = ("m2r2_exit", "distance_exit")
 SELF_DRAFT_METHODS = ("m2r2_spec", "distance_spec")  # drafters that are part of the base (draft_vocab applies)
 DRAFT_LENGTHS = ("fixed", "dynamic")
 KV_MISSING = ("propagate", "deferred")
+LAYER_LOOPS = ("scan", "unrolled")
 DECIDERS = ("confidence", "saturation")
 NO_EOS = -1
 
@@ -300,6 +302,7 @@ def build_engine(
     plan=None,
     reuse_shared_layers: bool = True,
     draft_vocab=None,
+    layer_loop: str = "scan",
 ) -> Engine:
     """Validate the options and assemble the static spec + parameter tree of one method. With a
     `plan` (`sharding.ShardingPlan`, e.g. the specdec preset) the parameters are placed on its
@@ -308,7 +311,11 @@ def build_engine(
     exact output of the base layers it shares (M2R2's b branch layers, distance_spec's E) instead
     of running them again; off only to measure what that saves.
     `draft_vocab` (m2r2_spec, distance_spec): token ids the draft head scores (`decoding.draft_vocab`;
-    None: the whole vocabulary). Verification keeps the full head: output stays lossless."""
+    None: the whole vocabulary). Verification keeps the full head: output stays lossless.
+    `layer_loop`: "scan" (a `lax.scan` over the stacked layers) or "unrolled" (the base's and the
+    draft model's layers unstacked, `transformer.unstack_layers`, and every layer loop unrolled:
+    faster one-token steps on CPU, longer compiles; ar and the speculative methods, no sharding
+    plan). Tokens are the same either way."""
     if method not in METHODS:
         raise ConfigError(f"method={method!r} is invalid: expected one of {', '.join(METHODS)}")
     if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens <= 0:
@@ -324,6 +331,11 @@ def build_engine(
         raise ConfigError(f"deferred_window={deferred_window!r} is invalid: expected a positive integer")
     if decider not in DECIDERS:
         raise ConfigError(f"decider={decider!r} is invalid: expected confidence or saturation")
+    if layer_loop not in LAYER_LOOPS:
+        raise ConfigError(f"layer_loop={layer_loop!r} is invalid: expected one of {', '.join(LAYER_LOOPS)}")
+    if layer_loop == "unrolled" and (method not in ("ar",) + SPEC_METHODS or plan is not None):
+        raise ConfigError(f"layer_loop=unrolled is for ar and the speculative methods without a sharding plan, "
+                          f"not {method}" + (" with a plan" if plan is not None else ""))
     params = {"base": base_params}
     drafter = None
     n_vocab = 0
@@ -365,6 +377,8 @@ def build_engine(
         drafter = early_exit.DistanceExit(cfg, decider, kv_missing, int(deferred_window))
     if exit_norm_scale is not None:
         params["exit_norm_scale"] = exit_norm_scale
+    if layer_loop == "unrolled":
+        params = {k: (unstack_layers(v) if k in ("base", "draft") else v) for k, v in params.items()}
     spec = EngineSpec(method=method, cfg=cfg, sampling=sampling, max_new=int(max_new_tokens),
                       gamma=int(gamma) if method in SPEC_METHODS else 1,
                       dynamic=(draft_length == "dynamic" and method in SPEC_METHODS),

@@ -263,6 +263,8 @@ def _run_steps(base, mcfg, base_params, m2r2_params, g, positions, cache, train:
     """lax.scan over the K fast steps (or the first `n_steps` of them, >= 1). Returns (g_n, cache,
     states or None, z [n,B,T,dim], moe router logits or None, g_{n-1})."""
     n = mcfg.steps(base) if n_steps is None else int(n_steps)
+    if T.is_unstacked(base_params):
+        return _run_steps_unrolled(base, mcfg, base_params, m2r2_params, g, positions, cache, train, collect_states, n)
     visited = jnp.asarray(visited_layers(base, mcfg)[:n])
     steps = jnp.arange(n)
     sps = _step_params(m2r2_params, slice(0, n))
@@ -276,6 +278,23 @@ def _run_steps(base, mcfg, base_params, m2r2_params, g, positions, cache, train:
 
     (g, cache), (states, z, rl, prev) = jax.lax.scan(body, (g, cache), (steps, visited, sps))
     return g, cache, states, z, rl, prev[-1]
+
+
+def _run_steps_unrolled(base, mcfg, base_params, m2r2_params, g, positions, cache, train: bool,
+                        collect_states: bool, n: int):
+    """`_run_steps` over unstacked base layers (`transformer.unstack_layers`): a Python loop, the
+    visited layers as static indices."""
+    states, zs, rls = [], [], []
+    prev = g
+    for i, j in enumerate(visited_layers(base, mcfg)[:n]):
+        prev = g
+        g, cache, rl = _fast_layer(base, mcfg, base_params, _step_params(m2r2_params, i), int(j), g, positions,
+                                   cache, train)
+        states.append(g)
+        zs.append(router_project(base, mcfg, m2r2_params, i, g))
+        rls.append(rl)
+    rl = jnp.stack(rls) if rls[0] is not None else None
+    return g, cache, (jnp.stack(states) if collect_states else None), jnp.stack(zs), rl, prev
 
 
 def fast_forward(base: ModelConfig, mcfg: M2R2Config, base_params, m2r2_params, tokens, positions, cache,

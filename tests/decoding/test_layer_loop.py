@@ -1,0 +1,104 @@
+"""The unrolled layer loop (`build_engine(..., layer_loop="unrolled")`, `transformer.unstack_layers`)
+computes what the scan over the stacked layers computes: the same logits, caches, hidden states,
+fast-stream states and, end to end, the same greedy tokens as plain decoding for every method it
+serves. Fixed shapes (decoding_helpers) so hypothesis examples reuse the compiled programs."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from decoding_helpers import BATCH, MAX_NEW, WIDTH, model, noisy_copy, random_m2r2, run
+from m2r2_jax.decoding import api
+from m2r2_jax.errors import ConfigError
+from m2r2_jax.m2r2.config import M2R2Config
+from m2r2_jax.m2r2.fast_stream import fast_forward
+from m2r2_jax.models import transformer as T
+
+EOS = 7
+MCFG = {"llama": M2R2Config(branch_layer=1, rate=2, lora_rank=4, router_dim=8, router_hidden=8),
+        "mixtral": M2R2Config(branch_layer=1, rate=1, schedule="consecutive", lora_rank=4, router_dim=8,
+                              router_hidden=8)}
+
+
+def _tokens(cfg, seed, shape):
+    return jnp.asarray(np.random.default_rng(seed).integers(0, cfg.vocab_size, size=shape), jnp.int32)
+
+
+@pytest.mark.parametrize("family", ["llama", "mixtral"])
+def test_forward_and_fast_pass_match_the_scan(family):
+    cfg, params = model(family)
+    flat = T.unstack_layers(params)
+    assert T.is_unstacked(flat) and not T.is_unstacked(params) and len(flat["layers"]) == cfg.n_layers
+    assert T.unstack_layers(flat) is flat
+    toks = _tokens(cfg, 0, (2, 5))
+    # prefill, then a 3-token pass at later positions against the filled cache (a verification)
+    out = {}
+    for name, p in (("scan", params), ("unrolled", flat)):
+        logits, cache, aux = T.forward(cfg, p, toks, None, T.init_cache(cfg, 2, 16), return_aux=True)
+        pos = jnp.broadcast_to(jnp.arange(5, 8)[None], (2, 3))
+        logits2, cache2 = T.forward(cfg, p, toks[:, :3], pos, cache)
+        x, _, hidden, _ = T.run_layers(cfg, p, T.embed(cfg, p, toks[:, :2]), pos[:, :2], cache2, 1, 3, collect=True)
+        mcfg = MCFG[family]
+        m2 = random_m2r2(cfg, mcfg, 3, adapter_scale=0.05)
+        fo = fast_forward(cfg, mcfg, p, m2, toks[:, 3:4], pos[:, :1] + 3, cache2, collect=True)
+        out[name] = (logits, cache, aux.hidden, aux.router_logits, logits2, cache2, x, hidden,
+                     fo.logits, fo.cache, fo.exit_logits, fo.states, fo.moe_router_logits)
+    for a, b in zip(jax.tree.leaves(out["scan"]), jax.tree.leaves(out["unrolled"])):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-5, rtol=2e-5)
+    assert (out["scan"][3] is None) == (family == "llama")  # router logits only for the MoE base
+
+
+def test_unstacked_layers_refuse_a_traced_index():
+    cfg, params = model("llama")
+    flat = T.unstack_layers(params)
+    assert T.layer_params(flat, 2) is flat["layers"][2]
+    with pytest.raises(TypeError, match="Python ints"):
+        jax.jit(lambda i: T.layer_params(flat, i)["attn_norm"]["scale"])(1)
+
+
+@functools.lru_cache(maxsize=None)
+def engines(family: str, method: str):
+    cfg, params = model(family)
+    kw = dict(max_new_tokens=MAX_NEW, eos_id=EOS, gamma=3)
+    if method == "m2r2_spec":
+        kw["m2r2"] = (MCFG[family], random_m2r2(cfg, MCFG[family], 7, adapter_scale=0.05))
+    if method == "distance_spec":
+        kw["exit_layer"] = 2
+    if method == "two_model":
+        kw["draft"] = noisy_copy(family, 0.05)
+    if method == "ar":
+        kw.pop("gamma")
+    return (api.build_engine(method, cfg, params, layer_loop="unrolled", **kw),
+            api.build_engine("ar", cfg, params, max_new_tokens=MAX_NEW, eos_id=EOS))
+
+
+CASES = [("llama", "ar"), ("llama", "m2r2_spec"), ("llama", "distance_spec"), ("llama", "two_model"),
+         ("mixtral", "m2r2_spec")]
+
+
+@settings(max_examples=15, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+@given(case=st.sampled_from(CASES), data=st.data())
+def test_unrolled_engines_decode_the_scan_ar_tokens(case, data):
+    eng, ar = engines(*case)
+    vocab = eng.spec.cfg.vocab_size
+    n = data.draw(st.integers(1, BATCH), label="rows")
+    prompts = [data.draw(st.lists(st.integers(0, vocab - 1), min_size=1, max_size=WIDTH)) for _ in range(n)]
+    got, _ = run(eng, prompts)
+    want, _ = run(ar, prompts)
+    assert [r.tokens for r in got] == [r.tokens for r in want]
+
+
+def test_layer_loop_is_validated():
+    cfg, params = model("llama")
+    with pytest.raises(ConfigError, match="layer_loop='unrolled_twice' is invalid"):
+        api.build_engine("ar", cfg, params, max_new_tokens=4, layer_loop="unrolled_twice")
+    for method in ("m2r2_exit", "distance_exit"):
+        with pytest.raises(ConfigError, match=f"not {method}"):
+            api.build_engine(method, cfg, params, max_new_tokens=4, layer_loop="unrolled")
