@@ -31,6 +31,7 @@ from m2r2_jax.bench import report as R
 from m2r2_jax.bench import speculative as S
 from m2r2_jax.data.corpus import embedded_split
 from m2r2_jax.data.tokenizer import load_tokenizer
+from m2r2_jax.decoding import api
 from m2r2_jax.errors import ConfigError, M2R2Error, Preempted
 from m2r2_jax.m2r2 import analysis
 from m2r2_jax.m2r2.checkpoint import load_m2r2
@@ -228,6 +229,9 @@ def run_demo(out, budget_name: str = "full", force: bool = False, skip_moe: bool
                              gamma=gammas, m2r2=(mcfg, m2r2_params), draft=draft, batch_sizes=budget.batch_sizes,
                              repeats=budget.repeats, progress=_say)
     report["speculative"] = spec
+    # every method on the loop "auto" gives it (the one the benchmarks above used): on CPU ar runs
+    # unrolled, its fastest loop there, so no speedup is measured against a slower plain decoder
+    report["layer_loop"] = {m: api.resolve_layer_loop("auto", m) for m in api.UNROLLABLE_METHODS + api.EXIT_METHODS}
     if budget_name == "full" and jax.default_backend() == "cpu" and cores_in_use() > 1:
         _say("speculative: again pinned to one CPU core (m2r2 bench --cpu_cores 1, a fresh process)")
         report["speculative_one_core"] = _one_core_bench(out, dense_dir / "model", m2r2_dir / "m2r2", prompts,
@@ -323,7 +327,8 @@ def one_core_summary(bench_report: dict) -> dict:
                            **{k: spec[m][k] for k in ("ideal_speedup", "efficiency", "ideal_speedup_decode_only",
                                                         "efficiency_decode_only") if k in spec[m]},
                            "gamma": spec[m].get("gamma")}
-                       for m in spec}}
+                       for m in spec},
+           "layer_loop": bench_report.get("layer_loop")}
     sam = bench_report.get("speculative_sampled")
     if sam:
         out["sampled"] = {"temperature": sam["temperature"], "top_p": sam["top_p"],

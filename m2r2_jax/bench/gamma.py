@@ -92,7 +92,7 @@ def parse_candidates(values: Sequence, what: str = "--gamma_candidates") -> tupl
 def tune_gammas(methods: Sequence[str], cfg, base_params, prompts: Sequence[Sequence[int]], *,
                 max_new_tokens: int, candidates: Sequence[int] = DEFAULT_CANDIDATES, temperature: float = 0.0,
                 top_p: float = 1.0, m2r2=None, draft=None, plan=None, repeats: int = 5, bar: str = "",
-                layer_loop: str = "scan",
+                layer_loop: str = "auto",
                 draft_vocab=None) -> dict:
     """Choose the draft length of every speculative method in `methods` (see the module
     docstring): acceptance at the largest candidate on `prompts`, then one round of every

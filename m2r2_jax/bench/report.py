@@ -109,6 +109,12 @@ def table(report: dict) -> str:
             lines.append(f"  ar's greedy answers: {spec['ar']['distinct_token_fraction']:.0%} distinct tokens"
                          + ("  (they loop: acceptance is inflated for every drafter)"
                             if spec["ar"]["distinct_token_fraction"] < 0.3 else ""))
+        loops = report.get("layer_loop")
+        if loops:
+            by_loop = {}
+            for m, loop in loops.items():
+                by_loop.setdefault(loop, []).append(m)
+            lines.append("  layer loop: " + "; ".join(f"{loop} ({', '.join(ms)})" for loop, ms in by_loop.items()))
         base_line = _base_quality_line(report)
         if base_line:
             lines.append(base_line)

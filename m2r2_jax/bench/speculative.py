@@ -382,13 +382,14 @@ def compare_methods(
     progress=None,
     plan=None,
     draft_vocab=None,
-    layer_loop: str = "scan",
+    layer_loop: str = "auto",
 ) -> dict:
     """Greedy speculative decoding side by side with ar. Returns report["speculative"]. `gamma`:
     one draft length for every method or {method: gamma} (see `bench.gamma`). `plan`: run every
     method sharded (`sharding.ShardingPlan`, e.g. the specdec preset). `draft_vocab`: the token
     ids m2r2_spec's and distance_spec's draft heads score (`decoding.draft_vocab`). `layer_loop`:
-    every engine's (`api.build_engine`)."""
+    every engine's (`api.resolve_layer_loop`; "auto": each method on the fastest loop measured
+    for its platform, so ar is not timed on a slower loop than the drafters)."""
     from m2r2_jax.bench.gamma import gamma_of
 
     width = max(len(p) for p in prompts)
@@ -522,7 +523,7 @@ def distinct_token_fraction(results) -> float:
 def sampled_comparison(cfg, base_params, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
                        temperature: float, top_p: float = 1.0, gamma=4, m2r2=None, draft=None,
                        methods: Sequence[str] = ("ar", "m2r2_spec", "distance_spec"), repeats: int = 3,
-                       progress=None, plan=None, draft_vocab=None, layer_loop: str = "scan") -> dict:
+                       progress=None, plan=None, draft_vocab=None, layer_loop: str = "auto") -> dict:
     """Speed and acceptance with sampling, side by side with sampled ar. Speculative sampling is
     lossless in distribution (pinned by the decoding tests), so answers differ from ar's draw by
     draw and no identity is checked; the point is acceptance on text that does not loop. `gamma`,
@@ -564,12 +565,15 @@ def token_agreement(candidate: Sequence[int], reference: Sequence[int]) -> float
 
 
 def early_exit_sweep(cfg, base_params, prompts, *, max_new_tokens: int, thresholds: Sequence[float], m2r2=None,
-                     methods=("m2r2_exit", "distance_exit"), repeats: int = 3, progress=None) -> dict:
+                     methods=("m2r2_exit", "distance_exit"), repeats: int = 3, progress=None,
+                     layer_loop: str = "auto") -> dict:
     """Quality (vs the full model's greedy output) against speed for early-exit deciders. Every
     (method, threshold) and plain decoding are timed side by side in one sweep, so each speedup
-    is measured against ar under the same machine load."""
+    is measured against ar under the same machine load. `layer_loop`: ar's, as in
+    `compare_methods` (the early-exit methods' traced exit depth needs the scan)."""
     width = max(len(p) for p in prompts)
-    runners = {"ar": (api.build_engine("ar", cfg, base_params, max_new_tokens=max_new_tokens), 0.5)}
+    runners = {"ar": (api.build_engine("ar", cfg, base_params, max_new_tokens=max_new_tokens,
+                                       layer_loop=layer_loop), 0.5)}
     for m in methods:
         eng = api.build_engine(m, cfg, base_params, max_new_tokens=max_new_tokens, m2r2=m2r2)
         for tau in thresholds:

@@ -30,8 +30,9 @@ flags.DEFINE_integer("calibration_prompts", 4, "--gamma auto: prompts after the 
                      "that acceptance is measured on", lower_bound=1)
 flags.DEFINE_list("batch_sizes", ["1", "4", "16"], "batch sizes of the throughput sweep")
 flags.DEFINE_integer("repeats", 3, "timing repeats (median kept)", lower_bound=1)
-flags.DEFINE_enum("layer_loop", "scan", ["scan", "unrolled"], "every engine's layer loop: a lax.scan over the stacked "
-                  "layers, or unrolled over per-layer weights (faster one-token steps on CPU; no --sharding plan)")
+flags.DEFINE_enum("layer_loop", "auto", ["auto", "scan", "unrolled"], "every engine's layer loop: a lax.scan over "
+                  "the stacked layers, unrolled over per-layer weights (faster decoding on CPU; no --sharding plan), "
+                  "or auto: unrolled on CPU without a plan, the scan elsewhere")
 flags.DEFINE_string("out", None, "output directory")
 flags.DEFINE_integer("cpu_cores", 0, "CPU benchmarks: pin the process to the first N cores it may use "
                      "before JAX starts (0: all); see m2r2_jax/bench/cpu_cores.py", lower_bound=0)
@@ -65,6 +66,10 @@ def main(argv):
     if FLAGS.cpu_cores:  # before anything starts JAX's backend
         pin_to_cores(FLAGS.cpu_cores)
     plan = sharding_flags.start(FLAGS)
+    from m2r2_jax.decoding.api import resolve_layer_loop
+
+    layer_loops = {m: resolve_layer_loop(FLAGS.layer_loop, m, plan)
+                   for m in ("ar",) + tuple(m for m in SPEC_METHODS if m != "two_model" or FLAGS.draft_checkpoint)}
     try:
         batch_sizes = [int(b) for b in FLAGS.batch_sizes]
     except ValueError:
@@ -124,7 +129,7 @@ def main(argv):
                            m2r2=(mcfg, m2r2_params), draft=draft, methods=methods, batch_sizes=batch_sizes,
                            repeats=FLAGS.repeats, plan=plan, progress=say, draft_vocab=vocab,
                            layer_loop=FLAGS.layer_loop)
-    report = {"device": _device(), "layer_loop": FLAGS.layer_loop, "prompts": FLAGS.prompts,
+    report = {"device": _device(), "layer_loop": layer_loops, "prompts": FLAGS.prompts,
               "n_prompts": len(prompts),
               "fresh_m2r2_params": fresh, "sharding": plan.describe() if plan else None, "m2r2": mcfg.to_dict(),
               "draft_vocab": None if vocab is None else {

@@ -38,8 +38,11 @@ flags.DEFINE_integer("exit_layer", None, "distance_spec draft depth E (default: 
 flags.DEFINE_string("out", None, "output JSONL file")
 flags.DEFINE_string("draft_vocab", None, "m2r2_spec / distance_spec: draft from this token subset only (a JSON file "
                     "from `m2r2 draft-vocab`); output is unchanged, drafting cheaper")
+flags.DEFINE_enum("layer_loop", "auto", ["auto", "scan", "unrolled"], "the layer loop: a lax.scan over the stacked "
+                  "layers, unrolled over per-layer weights (ar and speculative methods, no --sharding plan), or auto: "
+                  "unrolled where it serves on CPU, the scan elsewhere (same tokens either way)")
 for _name in ("max_new_tokens", "draft_checkpoint", "top_p", "batch_size", "draft_length", "kv_missing", "exit_layer",
-              "draft_vocab"):
+              "draft_vocab", "layer_loop"):
     flags.DEFINE_alias(_name.replace("_", "-"), _name)
 flags.mark_flags_as_required(["checkpoint", "prompts", "out"])
 sharding_flags.define("specdec")
@@ -103,7 +106,8 @@ def main(argv):
                            temperature=FLAGS.temperature, top_p=FLAGS.top_p, seed=FLAGS.seed,
                            batch_size=FLAGS.batch_size, gamma=FLAGS.gamma, draft_length=FLAGS.draft_length,
                            tau=FLAGS.tau, eos_id=eos, m2r2=m2r2, draft=draft, exit_layer=FLAGS.exit_layer,
-                           decider=FLAGS.decider, kv_missing=FLAGS.kv_missing, draft_vocab=vocab)
+                           decider=FLAGS.decider, kv_missing=FLAGS.kv_missing, draft_vocab=vocab,
+                           layer_loop=FLAGS.layer_loop)
     rows = [{
         "tokens": r.tokens,
         "text": tokenizer.decode(r.tokens) if tokenizer is not None else None,

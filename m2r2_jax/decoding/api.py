@@ -57,7 +57,8 @@ EXIT_METHODS = ("m2r2_exit", "distance_exit")
 SELF_DRAFT_METHODS = ("m2r2_spec", "distance_spec")  # drafters that are part of the base (draft_vocab applies)
 DRAFT_LENGTHS = ("fixed", "dynamic")
 KV_MISSING = ("propagate", "deferred")
-LAYER_LOOPS = ("scan", "unrolled")
+LAYER_LOOPS = ("auto", "scan", "unrolled")
+UNROLLABLE_METHODS = ("ar",) + SPEC_METHODS  # the methods the unrolled layer loop serves
 DECIDERS = ("confidence", "saturation")
 NO_EOS = -1
 
@@ -312,10 +313,10 @@ def build_engine(
     of running them again; off only to measure what that saves.
     `draft_vocab` (m2r2_spec, distance_spec): token ids the draft head scores (`decoding.draft_vocab`;
     None: the whole vocabulary). Verification keeps the full head: output stays lossless.
-    `layer_loop`: "scan" (a `lax.scan` over the stacked layers) or "unrolled" (the base's and the
+    `layer_loop`: "scan" (a `lax.scan` over the stacked layers), "unrolled" (the base's and the
     draft model's layers unstacked, `transformer.unstack_layers`, and every layer loop unrolled:
     faster one-token steps on CPU, longer compiles; ar and the speculative methods, no sharding
-    plan). Tokens are the same either way."""
+    plan) or "auto" (`resolve_layer_loop`). Tokens are the same either way."""
     if method not in METHODS:
         raise ConfigError(f"method={method!r} is invalid: expected one of {', '.join(METHODS)}")
     if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens <= 0:
@@ -331,11 +332,7 @@ def build_engine(
         raise ConfigError(f"deferred_window={deferred_window!r} is invalid: expected a positive integer")
     if decider not in DECIDERS:
         raise ConfigError(f"decider={decider!r} is invalid: expected confidence or saturation")
-    if layer_loop not in LAYER_LOOPS:
-        raise ConfigError(f"layer_loop={layer_loop!r} is invalid: expected one of {', '.join(LAYER_LOOPS)}")
-    if layer_loop == "unrolled" and (method not in ("ar",) + SPEC_METHODS or plan is not None):
-        raise ConfigError(f"layer_loop=unrolled is for ar and the speculative methods without a sharding plan, "
-                          f"not {method}" + (" with a plan" if plan is not None else ""))
+    layer_loop = resolve_layer_loop(layer_loop, method, plan)
     params = {"base": base_params}
     drafter = None
     n_vocab = 0
@@ -498,6 +495,26 @@ def run_engine(engine: Engine, prompts: Sequence[Sequence[int]], *, seed: int = 
     return (results, states) if return_states else results
 
 
+def resolve_layer_loop(layer_loop: str, method: str, plan=None, backend: Optional[str] = None) -> str:
+    """The layer loop an engine of `method` gets: "scan" or "unrolled". "auto" picks the unrolled
+    loop on the CPU backend for the methods it serves without a sharding plan, and the scan
+    everywhere else. Why: on CPU the unrolled loop decodes one token 1.3-1.6x faster on two cores
+    (docs/RESULTS.md, "The layer loop"), so a benchmark against the scan's plain decoding would
+    flatter every speculative method; on accelerators the scan keeps compile time flat in depth
+    and the trade is unmeasured. Raises ConfigError for an unknown loop, or "unrolled" where it
+    cannot serve."""
+    if layer_loop not in LAYER_LOOPS:
+        raise ConfigError(f"layer_loop={layer_loop!r} is invalid: expected one of {', '.join(LAYER_LOOPS)}")
+    servable = method in UNROLLABLE_METHODS and plan is None
+    if layer_loop == "auto":
+        backend = jax.default_backend() if backend is None else backend
+        return "unrolled" if servable and backend == "cpu" else "scan"
+    if layer_loop == "unrolled" and not servable:
+        raise ConfigError(f"layer_loop=unrolled is for ar and the speculative methods without a sharding plan, "
+                          f"not {method}" + (" with a plan" if plan is not None else ""))
+    return layer_loop
+
+
 def generate(
     method: str,
     cfg: ModelConfig,
@@ -521,6 +538,7 @@ def generate(
     kv_missing: str = "propagate",
     plan=None,
     draft_vocab=None,
+    layer_loop: str = "scan",
 ) -> list:
     """Generate continuations of token prompts with one method; returns one `SequenceResult` per
     prompt, in order (see the module docstring for the fields).
@@ -530,11 +548,12 @@ def generate(
     draft: (ModelConfig, params) of the two_model draft model. tau: the router / decider threshold
     (dynamic draft length and early exit). eos_id: stop a sequence after this token (None: never).
     draft_vocab: token ids the m2r2_spec / distance_spec draft head scores (`decoding.draft_vocab`).
+    layer_loop: "scan", "unrolled" or "auto" (`resolve_layer_loop`).
     """
     engine = build_engine(method, cfg, base_params, max_new_tokens=max_new_tokens, temperature=temperature,
                           top_p=top_p, gamma=gamma, draft_length=draft_length, eos_id=eos_id, m2r2=m2r2,
                           draft=draft, exit_layer=exit_layer, decider=decider, kv_missing=kv_missing, plan=plan,
-                          draft_vocab=draft_vocab)
+                          draft_vocab=draft_vocab, layer_loop=layer_loop)
     if line_numbers is not None and len(line_numbers) != len(prompts):
         raise ConfigError(f"line_numbers has {len(line_numbers)} entries for {len(prompts)} prompts")
     if not len(prompts):

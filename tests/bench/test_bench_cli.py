@@ -57,6 +57,9 @@ def test_bench_cli_pinned_to_one_core(tmp_path):
     ar_tokens = [t for a in rep["speculative"]["ar"]["answers"] for t in a]
     assert rep["draft_vocab"]["coverage_of_ar_answers"] == pytest.approx(sum(t % 2 == 0 for t in ar_tokens) / len(ar_tokens))
     assert rep["device"]["cpu_cores_in_use"] == 1
+    # the default layer loop on CPU: ar and the drafters unrolled (ar at its fastest there)
+    assert rep["layer_loop"] == {"ar": "unrolled", "m2r2_spec": "unrolled", "distance_spec": "unrolled"}
+    assert "layer loop: unrolled (ar, m2r2_spec, distance_spec)" in r.stdout
     spec = rep["speculative"]
     assert set(spec) == {"ar", "m2r2_spec", "distance_spec"}
     assert spec["m2r2_spec"]["identical_to_ar"] and spec["distance_spec"]["identical_to_ar"]
@@ -96,6 +99,7 @@ def test_bench_cli_pinned_to_one_core(tmp_path):
                                                                                         "distance_spec"}
     assert kept["sampled"]["methods"]["ar"]["speedup_vs_ar"] == 1.0
     assert kept["methods"]["m2r2_spec"]["gamma"] == spec["m2r2_spec"]["gamma"]
+    assert kept["layer_loop"] == rep["layer_loop"]
     assert kept["methods"]["m2r2_spec"]["efficiency"] == spec["m2r2_spec"]["efficiency"]
     assert kept["methods"]["m2r2_spec"]["ideal_speedup"] == spec["m2r2_spec"]["ideal_speedup"]
     assert kept["methods"]["m2r2_spec"]["efficiency_decode_only"] == spec["m2r2_spec"]["efficiency_decode_only"]

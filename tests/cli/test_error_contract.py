@@ -135,6 +135,10 @@ CASES = [
      "--max-new-tokens 2 --method m2r2_spec --m2r2 {m2r2_garbage_base}", ["base.json"], None),
     ("generate-fingerprint-garbage", "generate --checkpoint {garbage_fingerprint} --prompts {prompts} "
      "--out {out}.jsonl --max-new-tokens 2 --method m2r2_spec --m2r2 {m2r2}", ["fingerprint.json"], None),
+    ("generate-unrolled-exit", "generate --checkpoint {base} --prompts {prompts} --out {out}.jsonl "
+     "--max-new-tokens 2 --method m2r2_exit --layer-loop unrolled", ["layer_loop=unrolled", "m2r2_exit"], None),
+    ("generate-layer-loop-unknown", "generate --checkpoint {base} --prompts {prompts} --out {out}.jsonl "
+     "--layer_loop spiral", ["--layer_loop"], None),
     ("generate-out-in-file", "generate --checkpoint {base} --prompts {prompts} --out {file}/g.jsonl "
      "--max-new-tokens 2", ["a_file"], None),
     ("generate-draft-vocab-missing", "generate --checkpoint {base} --prompts {prompts} --out {out}.jsonl "
@@ -143,6 +147,8 @@ CASES = [
      "--draft-vocab {file}", ["--draft-vocab", "m2r2_spec"], None),
     # bench
     ("bench-no-checkpoint", "bench --out {out}", ["--checkpoint"], None),
+    ("bench-unrolled-sharded", "bench --checkpoint {base} --out {out} --layer_loop unrolled --mesh data=1",
+     ["layer_loop=unrolled", "plan"], None),
     ("bench-unknown-set", "bench --checkpoint {base} --prompts nonexistent_set --out {out}", ["nonexistent_set"], None),
     ("bench-tokens-string", "bench --checkpoint {base} --prompts {prompts_tokens_string} --out {out}",
      ["prompts_tokens_string.jsonl", "tokens"], None),
