@@ -66,6 +66,9 @@ class Budget:
     gamma_candidates: tuple  # draft lengths the tuning step measures (bench/gamma.py)
     calibration_prompts: int  # held-out prompts it measures acceptance on (not the benchmark's)
     context_prompts: int  # held-out windows whose first speculative round is measured (real text)
+    # every engine's layer loop (`api.resolve_layer_loop`). The tiny budget keeps the scan: the
+    # unrolled programs' compiles add ~100 s to its ~3 minutes, and its speeds are a smoke test.
+    layer_loop: str = "auto"
 
 
 BUDGETS = {
@@ -80,7 +83,7 @@ BUDGETS = {
                    moe_distill_steps=10, batch_size=8, seq_len=64, n_prompts=3, prompt_len=16,
                    max_new_tokens=16, batch_sizes=(1, 4), repeats=1, thresholds=(0.5, 0.9),
                    align_batches=1, moe_prompts=2, gamma_candidates=(2, 4), calibration_prompts=2,
-                   context_prompts=8),
+                   context_prompts=8, layer_loop="scan"),
 }
 
 
@@ -227,18 +230,20 @@ def run_demo(out, budget_name: str = "full", force: bool = False, skip_moe: bool
     t0 = time.time()
     spec = S.compare_methods(base_cfg, base_params, prompts, max_new_tokens=budget.max_new_tokens,
                              gamma=gammas, m2r2=(mcfg, m2r2_params), draft=draft, batch_sizes=budget.batch_sizes,
-                             repeats=budget.repeats, progress=_say)
+                             repeats=budget.repeats, progress=_say, layer_loop=budget.layer_loop)
     report["speculative"] = spec
     # every method on the loop "auto" gives it (the one the benchmarks above used): on CPU ar runs
     # unrolled, its fastest loop there, so no speedup is measured against a slower plain decoder
-    report["layer_loop"] = {m: api.resolve_layer_loop("auto", m) for m in api.UNROLLABLE_METHODS + api.EXIT_METHODS}
+    report["layer_loop"] = {m: api.resolve_layer_loop(budget.layer_loop, m)
+                            for m in api.UNROLLABLE_METHODS + api.EXIT_METHODS}
     if budget_name == "full" and jax.default_backend() == "cpu" and cores_in_use() > 1:
         _say("speculative: again pinned to one CPU core (m2r2 bench --cpu_cores 1, a fresh process)")
         report["speculative_one_core"] = _one_core_bench(out, dense_dir / "model", m2r2_dir / "m2r2", prompts,
                                                          budget, gammas)
     report["speculative_sampled"] = S.sampled_comparison(
         base_cfg, base_params, prompts, max_new_tokens=budget.max_new_tokens, temperature=SAMPLED_TEMPERATURE,
-        gamma=gammas, m2r2=(mcfg, m2r2_params), repeats=budget.repeats, progress=_say)
+        gamma=gammas, m2r2=(mcfg, m2r2_params), repeats=budget.repeats, progress=_say,
+        layer_loop=budget.layer_loop)
     # the answers loop (a young base), which flatters every drafter: acceptance on real text too
     _say(f"speculative: the first round after {budget.context_prompts} held-out text windows")
     contexts = heldout_prompts(tok, budget.context_prompts, budget.prompt_len, phase=0.25)
@@ -249,7 +254,8 @@ def run_demo(out, budget_name: str = "full", force: bool = False, skip_moe: bool
     t0 = time.time()
     report["early_exit"] = S.early_exit_sweep(base_cfg, base_params, prompts, max_new_tokens=budget.max_new_tokens,
                                               thresholds=budget.thresholds, m2r2=(mcfg, m2r2_params),
-                                              repeats=budget.repeats, progress=_say)
+                                              repeats=budget.repeats, progress=_say,
+                                              layer_loop=budget.layer_loop)
     timings["early_exit_s"] = time.time() - t0
 
     if not skip_moe:
@@ -289,7 +295,8 @@ def _tune_gammas(base_cfg, base_params, m2r2, draft, tok, budget: Budget) -> tup
     _say(f"draft lengths: acceptance at gamma {max(budget.gamma_candidates)} on {len(calib)} calibration prompts, "
          f"round costs at gamma {', '.join(map(str, budget.gamma_candidates))}, every method side by side")
     records = G.tune_gammas(S.SPEC_METHODS, base_cfg, base_params, calib, max_new_tokens=budget.max_new_tokens,
-                            candidates=budget.gamma_candidates, m2r2=m2r2, draft=draft, bar="draft lengths")
+                            candidates=budget.gamma_candidates, m2r2=m2r2, draft=draft, bar="draft lengths",
+                            layer_loop=budget.layer_loop)
     for m, rec in records.items():
         _say("  " + G.format_choice(m, rec))
     return {m: rec["gamma"] for m, rec in records.items()}, records

@@ -141,3 +141,15 @@ def test_budget_with_step_overrides():
             budget_with("full", bad)
     with pytest.raises(ConfigError, match="--budget"):
         budget_with("huge")
+
+
+def test_budget_layer_loops():
+    """The full budget measures every method on the loop `auto` gives it (on CPU ar at its
+    fastest, unrolled); the tiny one keeps the scan, whose programs compile faster."""
+    from m2r2_jax.bench.demo import BUDGETS
+    from m2r2_jax.decoding import api
+
+    assert BUDGETS["full"].layer_loop == "auto" and BUDGETS["tiny"].layer_loop == "scan"
+    for b in BUDGETS.values():
+        for m in api.UNROLLABLE_METHODS + api.EXIT_METHODS:
+            assert api.resolve_layer_loop(b.layer_loop, m) in ("scan", "unrolled")
