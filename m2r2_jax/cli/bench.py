@@ -68,8 +68,8 @@ def main(argv):
     plan = sharding_flags.start(FLAGS)
     from m2r2_jax.decoding.api import resolve_layer_loop
 
-    layer_loops = {m: resolve_layer_loop(FLAGS.layer_loop, m, plan)
-                   for m in ("ar",) + tuple(m for m in SPEC_METHODS if m != "two_model" or FLAGS.draft_checkpoint)}
+    methods = ("ar",) + tuple(m for m in SPEC_METHODS if m != "two_model" or FLAGS.draft_checkpoint)
+    layer_loops = {m: resolve_layer_loop(FLAGS.layer_loop, m, plan) for m in methods}  # checked before any load
     try:
         batch_sizes = [int(b) for b in FLAGS.batch_sizes]
     except ValueError:
@@ -102,7 +102,6 @@ def main(argv):
             raise DataError(f"prompt {i} is empty")
         if max(p) >= base_cfg.vocab_size or min(p) < 0:
             raise DataError(f"prompt {i} has token ids outside the vocabulary [0, {base_cfg.vocab_size})")
-    methods = ("ar",) + tuple(m for m in SPEC_METHODS if m != "two_model" or draft is not None)
     vocab = None
     if FLAGS.draft_vocab:
         from m2r2_jax.decoding import draft_vocab as DV

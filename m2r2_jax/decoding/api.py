@@ -498,7 +498,7 @@ def run_engine(engine: Engine, prompts: Sequence[Sequence[int]], *, seed: int = 
 def resolve_layer_loop(layer_loop: str, method: str, plan=None, backend: Optional[str] = None) -> str:
     """The layer loop an engine of `method` gets: "scan" or "unrolled". "auto" picks the unrolled
     loop on the CPU backend for the methods it serves without a sharding plan, and the scan
-    everywhere else. Why: on CPU the unrolled loop decodes one token 1.3-1.6x faster on two cores
+    everywhere else. Why: on CPU the unrolled loop decodes plain ar 1.15-1.80x faster on two cores
     (docs/RESULTS.md, "The layer loop"), so a benchmark against the scan's plain decoding would
     flatter every speculative method; on accelerators the scan keeps compile time flat in depth
     and the trade is unmeasured. Raises ConfigError for an unknown loop, or "unrolled" where it

@@ -285,8 +285,7 @@ def _run_steps_unrolled(base, mcfg, base_params, m2r2_params, g, positions, cach
     """`_run_steps` over unstacked base layers (`transformer.unstack_layers`): a Python loop, the
     visited layers as static indices."""
     states, zs, rls = [], [], []
-    prev = g
-    for i, j in enumerate(visited_layers(base, mcfg)[:n]):
+    for i, j in enumerate(visited_layers(base, mcfg)[:n]):  # n >= 1, so prev is always set
         prev = g
         g, cache, rl = _fast_layer(base, mcfg, base_params, _step_params(m2r2_params, i), int(j), g, positions,
                                    cache, train)

@@ -249,7 +249,7 @@ def _run_layers_unrolled(cfg: ModelConfig, params: Params, x, positions, cache, 
     """`run_layers` over unstacked layers: a Python loop, each layer's weights its own arrays."""
     hidden, router_logits = [], []
     for idx in range(start, stop):
-        x, cache, rl = layer_forward(cfg, params["layers"][idx], x, positions, cache, idx)
+        x, cache, rl = layer_forward(cfg, layer_params(params, idx), x, positions, cache, idx)
         x = constrain(x, HIDDEN_AXES)
         hidden.append(x)
         router_logits.append(rl)
