@@ -26,6 +26,7 @@ from typing import Optional
 import jax
 
 from m2r2_jax.atomic import write_text_atomic
+from m2r2_jax.bench.compile_cache import child_env, persistent_cache
 from m2r2_jax.bench.cpu_cores import cores_in_use
 from m2r2_jax.bench import report as R
 from m2r2_jax.bench import speculative as S
@@ -76,7 +77,7 @@ BUDGETS = {
     "full": Budget(dense_steps=150, moe_steps=50, draft_steps=80, distill_steps=240, router_steps=30,
                    moe_distill_steps=30, batch_size=8, seq_len=128, n_prompts=5, prompt_len=32,
                    max_new_tokens=96, batch_sizes=(1, 4, 16), repeats=3, thresholds=(0.5, 0.7, 0.9),
-                   align_batches=4, moe_prompts=3, gamma_candidates=(2, 4, 6, 8), calibration_prompts=8,
+                   align_batches=4, moe_prompts=3, gamma_candidates=(2, 4, 6), calibration_prompts=8,
                    context_prompts=32),
     # ~3 minutes: the same pipeline, smaller everything
     "tiny": Budget(dense_steps=30, moe_steps=15, draft_steps=15, distill_steps=20, router_steps=10,
@@ -87,6 +88,7 @@ BUDGETS = {
 }
 
 
+XLA_CACHE = "xla_cache"  # under OUT/artifacts: the persistent compilation cache of the demo's programs
 SAMPLED_TEMPERATURE = 0.8  # the demo's sampled comparisons (text that does not loop)
 
 
@@ -173,9 +175,16 @@ def budget_with(budget_name: str, steps: Optional[dict] = None) -> Budget:
 def run_demo(out, budget_name: str = "full", force: bool = False, skip_moe: bool = False,
              steps: Optional[dict] = None) -> dict:
     """The main job (see the module docstring). `steps` overrides the budget's step counts
-    (`budget_with`); the artifacts are keyed by their configs, so other counts train new ones."""
+    (`budget_with`); the artifacts are keyed by their configs, so other counts train new ones.
+    Compiled programs are kept in OUT/artifacts/xla_cache (`compile_cache`): the one-core child
+    and a rerun load the programs this run compiled instead of compiling them again."""
     budget = budget_with(budget_name, steps)
     out = Path(out).absolute()
+    with persistent_cache(out / "artifacts" / XLA_CACHE) as compile_stats:
+        return _run_demo(out, budget_name, budget, force, skip_moe, compile_stats)
+
+
+def _run_demo(out: Path, budget_name: str, budget: Budget, force: bool, skip_moe: bool, compile_stats: dict) -> dict:
     arts = out / "artifacts"
     arts.mkdir(parents=True, exist_ok=True)
     timings = {}
@@ -278,6 +287,8 @@ def run_demo(out, budget_name: str = "full", force: bool = False, skip_moe: bool
 
     timings["total_s"] = time.time() - t_start
     report["timings"] = timings
+    # this process's programs loaded from OUT/artifacts/xla_cache (the one-core child's are its own)
+    report["compile_cache"] = dict(compile_stats)
     report["targets"] = R.targets(report)
     _write_json(out / "report.json", report)
     R.write_plots(report, out)
@@ -304,8 +315,9 @@ def _tune_gammas(base_cfg, base_params, m2r2, draft, tok, budget: Budget) -> tup
 
 def _one_core_bench(out: Path, base_dir: Path, m2r2_dir: Path, prompts, budget: Budget, gammas: dict) -> dict:
     """ar, m2r2_spec and distance_spec at batch 1 in a child process pinned to one core (see
-    bench/cpu_cores.py: on a small CPU plain decoding is fastest there), side by side as usual,
-    greedy and sampled at SAMPLED_TEMPERATURE, at the draft lengths tuned on all cores."""
+    bench/cpu_cores.py: on a small CPU plain decoding can be fastest there), side by side as usual,
+    greedy, at the draft lengths tuned on all cores. (Its sampled twin, 40 s of the demo's
+    15 minutes, repeated the all-core sampled comparison; `m2r2 bench --temperature` runs it.)"""
     import subprocess
 
     work = out / "one_core"
@@ -315,9 +327,11 @@ def _one_core_bench(out: Path, base_dir: Path, m2r2_dir: Path, prompts, budget: 
     cmd = [sys.executable, "-m", "m2r2_jax.cli.main", "bench", "--cpu_cores=1", f"--checkpoint={base_dir}",
            f"--m2r2={m2r2_dir}", f"--prompts={prompt_file}", f"--out={work}", "--batch_sizes=1",
            f"--max_new_tokens={budget.max_new_tokens}", f"--n_prompts={len(prompts)}", f"--repeats={budget.repeats}",
-           f"--temperature={SAMPLED_TEMPERATURE}",
            "--gamma=" + ",".join(f"{m}={g}" for m, g in gammas.items() if m != "two_model")]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    env = dict(os.environ)
+    if jax.config.jax_compilation_cache_dir:  # the child loads the engines this process compiled
+        env.update(child_env(jax.config.jax_compilation_cache_dir))
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if proc.returncode != 0:
         tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:]
         raise M2R2Error(f"the one-core benchmark failed: {' '.join(tail)}")

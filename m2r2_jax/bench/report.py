@@ -203,6 +203,10 @@ def table(report: dict) -> str:
     tm = report.get("timings")
     if tm:
         lines.append("time: " + ", ".join(f"{k}={v:.0f}s" for k, v in tm.items()))
+    cc = report.get("compile_cache")
+    if cc:
+        lines.append(f"compiled programs loaded from the cache: {cc['hits']} "
+                     f"({cc['compile_s_saved']:.0f}s of compiling saved)")
     return "\n".join(lines)
 
 

@@ -1,0 +1,70 @@
+"""The demo's persistent compilation cache: programs compiled inside the block are written to its
+directory and loaded (counted as hits) by a later compile of the same program, in this process or
+in a child given `child_env`; the settings before the block come back after it."""
+
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from m2r2_jax.bench import compile_cache
+
+CHILD = """
+import json, sys, jax, jax.numpy as jnp, numpy as np
+hits = []
+jax.monitoring.register_event_listener(lambda e, **_: hits.append(e) if e.endswith("cache_hits") else None)
+y = jax.jit(lambda x: jnp.tanh(x @ x.T) * float(sys.argv[1]))(jnp.arange(12.0).reshape(3, 4))
+print(json.dumps({"hits": len(hits), "y": np.asarray(y).tolist()}))
+"""
+
+
+def _program(scale: float):
+    return jax.jit(lambda x: jnp.tanh(x @ x.T) * scale)
+
+
+def test_programs_are_written_and_loaded_again(tmp_path, monkeypatch):
+    monkeypatch.setattr(compile_cache, "MIN_COMPILE_S", 0.0)  # the test's programs compile in milliseconds
+    x = jnp.arange(12.0).reshape(3, 4)
+    before = jax.config.jax_compilation_cache_dir
+    with compile_cache.persistent_cache(tmp_path / "c") as stats:
+        want = np.asarray(_program(1.7)(x))
+        written = sorted(os.listdir(tmp_path / "c"))
+        assert written and stats["hits"] == 0
+        jax.clear_caches()  # the in-memory caches: the next compile has to come from disk
+        again = np.asarray(_program(1.7)(x))
+        assert stats["hits"] >= 1 and stats["compile_s_saved"] > -1.0
+        np.testing.assert_array_equal(again, want)
+    assert jax.config.jax_compilation_cache_dir == before
+    assert jax.config.jax_persistent_cache_min_compile_time_secs != 0.0  # restored
+    # outside the block nothing is written there any more, and nothing is counted
+    _program(2.9)(x).block_until_ready()
+    assert sorted(os.listdir(tmp_path / "c")) == written and stats["hits"] >= 1
+
+    # across processes (as the demo's one-core child): a process given child_env writes a program,
+    # the next one running the same code loads it, and a program not seen before is compiled
+    script = tmp_path / "child.py"
+    script.write_text(CHILD)
+    env = {**os.environ, **compile_cache.child_env(tmp_path / "x"), "JAX_PLATFORMS": "cpu",
+           "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
+
+    def child(scale):
+        out = subprocess.run([sys.executable, str(script), str(scale)], capture_output=True, text=True, env=env,
+                             timeout=120)
+        assert out.returncode == 0, out.stderr[-2000:]
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+    first, second, other = child(1.7), child(1.7), child(3.1)
+    # (the input's arange and reshape are programs of their own, loaded by both later children)
+    assert first["hits"] == 0 and second["hits"] == other["hits"] + 1 >= 1
+    assert second["y"] == first["y"] != other["y"]
+
+
+def test_child_env_names_the_directory_absolutely(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    env = compile_cache.child_env("rel/cache")
+    assert env["JAX_COMPILATION_CACHE_DIR"] == str(tmp_path / "rel" / "cache")
+    assert float(env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"]) == compile_cache.MIN_COMPILE_S
