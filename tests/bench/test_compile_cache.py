@@ -68,3 +68,32 @@ def test_child_env_names_the_directory_absolutely(tmp_path, monkeypatch):
     env = compile_cache.child_env("rel/cache")
     assert env["JAX_COMPILATION_CACHE_DIR"] == str(tmp_path / "rel" / "cache")
     assert float(env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"]) == compile_cache.MIN_COMPILE_S
+
+
+def test_the_demos_one_core_child_gets_the_cache_and_runs_greedy_only(tmp_path, monkeypatch):
+    """`_one_core_bench` hands its child the demo's cache directory (so the child loads the
+    engines the demo compiled) and no --temperature (the all-core run has the sampled comparison)."""
+    import subprocess as sp
+    from types import SimpleNamespace
+
+    from m2r2_jax.bench import demo
+
+    seen = {}
+    row = {"tokens_per_s": 10.0, "speedup_vs_ar": 1.0, "speedup_vs_ar_per_answer": [1.0], "mean_accepted_tokens": 1.0,
+           "identical_to_ar": True}
+
+    def fake_run(cmd, **kw):
+        seen["cmd"], seen["env"] = cmd, kw.get("env")
+        report = {"speculative": {"ar": row, "m2r2_spec": dict(row, gamma=4)}, "layer_loop": {"ar": "unrolled"}}
+        (tmp_path / "out" / "one_core" / "report.json").write_text(json.dumps(report))
+        return SimpleNamespace(returncode=0, stdout="", stderr="")
+
+    monkeypatch.setattr(sp, "run", fake_run)
+    budget = demo.BUDGETS["full"]
+    with compile_cache.persistent_cache(tmp_path / "cache"):
+        got = demo._one_core_bench(tmp_path / "out", tmp_path / "base", tmp_path / "m2r2", [[5, 6, 7]], budget,
+                                   {"m2r2_spec": 4, "distance_spec": 4, "two_model": 2})
+    assert seen["env"]["JAX_COMPILATION_CACHE_DIR"] == str(tmp_path / "cache")
+    assert "--cpu_cores=1" in seen["cmd"] and not any(a.startswith("--temperature") for a in seen["cmd"])
+    assert "--gamma=m2r2_spec=4,distance_spec=4" in seen["cmd"]
+    assert got["methods"]["m2r2_spec"]["gamma"] == 4 and "sampled" not in got
