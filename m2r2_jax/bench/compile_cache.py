@@ -23,28 +23,6 @@ MIN_COMPILE_S = 0.2
 _OPTIONS = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs")
 _HIT = "/jax/compilation_cache/cache_hits"
 _SAVED = "/jax/compilation_cache/compile_time_saved_sec"
-_active: list = []  # the stats of the open `persistent_cache` blocks (JAX's listeners are global)
-_listening = False
-
-
-def _on_event(event: str, **_) -> None:
-    if event == _HIT:
-        for stats in _active:
-            stats["hits"] += 1
-
-
-def _on_duration(event: str, seconds: float, **_) -> None:
-    if event == _SAVED:
-        for stats in _active:
-            stats["compile_s_saved"] += seconds
-
-
-def _listen() -> None:
-    global _listening
-    if not _listening:
-        jax.monitoring.register_event_listener(_on_event)
-        jax.monitoring.register_event_duration_secs_listener(_on_duration)
-        _listening = True
 
 
 def child_env(directory) -> dict:
@@ -67,13 +45,23 @@ def persistent_cache(directory):
     jax.config.update("jax_compilation_cache_dir", str(path))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", MIN_COMPILE_S)
     compilation_cache.reset_cache()
-    _listen()
     stats = {"hits": 0, "compile_s_saved": 0.0}
-    _active.append(stats)
+
+    def on_event(event: str, **_) -> None:
+        if event == _HIT:
+            stats["hits"] += 1
+
+    def on_duration(event: str, seconds: float, **_) -> None:
+        if event == _SAVED:
+            stats["compile_s_saved"] += seconds
+
+    jax.monitoring.register_event_listener(on_event)
+    jax.monitoring.register_event_duration_secs_listener(on_duration)
     try:
         yield stats
     finally:
-        _active.remove(stats)
+        jax.monitoring.unregister_event_listener(on_event)
+        jax.monitoring.unregister_event_duration_listener(on_duration)
         for name, value in before.items():
             jax.config.update(name, value)
         compilation_cache.reset_cache()
