@@ -9,7 +9,8 @@ Implementations:
                where no kernel exists (CPU) or the kernel cannot take the shape.
   "interpret"  the TPU kernel body run by Pallas' interpreter (any platform; slow, for tests).
   "auto"       the kernel on TPU/GPU when it can take the shape, else XLA (with a warning on TPU/GPU;
-               silently on CPU, where XLA is the intended path).
+               silently on CPU, where XLA is the intended path). On a GPU only for training-sized
+               calls (>= GPU_AUTO_MIN_ROWS rows of >= GPU_AUTO_MIN_D): below that XLA measured faster.
 
 Kernel paths run the forward pass as one pallas_call; the backward pass is plain XLA (a few fused
 elementwise loops, two thin matmuls and row reductions), so every path is reverse-differentiable and
@@ -33,6 +34,15 @@ from .reference import F32, low_rank_term, residual_rate_update_reference
 
 Array = jax.Array
 IMPLEMENTATIONS = ("auto", "xla", "pallas", "interpret")
+
+# "auto" on a GPU takes the Mosaic GPU kernel only for at least this many rows of at least this width.
+# Measured on an H200 (docs/RESULTS.md, "The fused residual-rate kernel on an H200"), bf16, d=4096:
+# at 16,384 rows the kernel ran 1.19x faster than XLA; at 4,096 rows (64 row blocks for 132
+# multiprocessors, half of them idle) and at decode sizes it was slower, and at d=192 it was slower
+# at every row count. A kernel call also ends XLA's fusion of the update with its neighbours, which
+# at decode sizes costs more than the update itself. 8,192 rows = 128 row blocks, one full wave.
+GPU_AUTO_MIN_ROWS = 8192
+GPU_AUTO_MIN_D = 1024
 
 
 class KernelFallbackWarning(UserWarning):
@@ -97,6 +107,8 @@ def select_backend(implementation: str, n_rows: int, d: int, rank: int, dtype, h
             return "xla", None
     if block_rows is not None and block_rows < 1:
         raise ValueError(f"residual_rate_update: block_rows must be positive, got {block_rows}")
+    if implementation == "auto" and backend == "gpu" and (n_rows < GPU_AUTO_MIN_ROWS or d < GPU_AUTO_MIN_D):
+        return "xla", None  # XLA is the faster path here (measured; see GPU_AUTO_MIN_ROWS), not a fallback
     chooser = pallas_gpu.choose_block_rows if backend == "gpu" else pallas_tpu.choose_block_rows
     rows = block_rows if block_rows is not None else chooser(n_rows, d, rank, dtype, has_norm)
     why = None

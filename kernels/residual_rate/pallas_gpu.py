@@ -136,7 +136,10 @@ def _kernel(*refs, d: int, rank: int, chunk: int, has_norm: bool, scale: float, 
     rows = pl.ds(lax.axis_index("rows") * BLOCK_ROWS, BLOCK_ROWS)
 
     def cols(c):
-        return pl.ds(pl.multiple_of(c * chunk, chunk), chunk)
+        # A Python int start needs no alignment hint (and JAX 0.11's Mosaic GPU lowering of
+        # `multiple_of` fails on a constant).
+        start = c * chunk if isinstance(c, int) else pl.multiple_of(c * chunk, chunk)
+        return pl.ds(start, chunk)
 
     def load_update_operands(c, slot):
         plgpu.copy_gmem_to_smem(x_g.at[rows, cols(c)], x_s.at[slot], x_bar.at[slot])

@@ -35,3 +35,15 @@ def pin_to_cores(n: int) -> list:
 
 def cores_in_use() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def device_summary() -> dict:
+    """Where a benchmark ran: JAX's platform and device, and the host CPUs it may use."""
+    import platform
+
+    import jax
+
+    d = jax.devices()[0]
+    return {"platform": d.platform, "device_kind": d.device_kind, "count": jax.device_count(),
+            "cpu_count": os.cpu_count(), "cpu_cores_in_use": cores_in_use(), "machine": platform.machine(),
+            "jax": jax.__version__}

@@ -16,7 +16,6 @@ import dataclasses
 import hashlib
 import json
 import os
-import platform
 import shutil
 import sys
 import time
@@ -27,7 +26,7 @@ import jax
 
 from m2r2_jax.atomic import write_text_atomic
 from m2r2_jax.bench.compile_cache import child_env, persistent_cache
-from m2r2_jax.bench.cpu_cores import cores_in_use
+from m2r2_jax.bench.cpu_cores import cores_in_use, device_summary
 from m2r2_jax.bench import report as R
 from m2r2_jax.bench import speculative as S
 from m2r2_jax.data.corpus import embedded_split
@@ -219,7 +218,7 @@ def _run_demo(out: Path, budget_name: str, budget: Budget, force: bool, skip_moe
     mcfg, m2r2_params = load_m2r2(m2r2_dir / "m2r2", base_cfg, fp)
     draft = load_model(draft_dir / "model")
     tok = load_tokenizer(tok_file)
-    report = {"budget": budget_name, "device": _device(), "budget_settings": dataclasses.asdict(budget),
+    report = {"budget": budget_name, "device": device_summary(), "budget_settings": dataclasses.asdict(budget),
               "models": _models(base_cfg, base_params, mcfg, draft, dense_dir, m2r2_dir, draft_dir)}
 
     report["sample"] = _sample(base_cfg, base_params, tok)
@@ -368,13 +367,6 @@ def _sample(cfg, params, tok, prompt: str = "ROMEO.\n", n: int = 80) -> dict:
 
 def _read_fp(model_workdir: Path) -> str:
     return json.loads((model_workdir / "model" / "fingerprint.json").read_text())["fingerprint"]
-
-
-def _device() -> dict:
-    d = jax.devices()[0]
-    return {"platform": d.platform, "device_kind": d.device_kind, "count": jax.device_count(),
-            "cpu_count": os.cpu_count(), "cpu_cores_in_use": cores_in_use(), "machine": platform.machine(),
-            "jax": jax.__version__}
 
 
 def _models(base_cfg, base_params, mcfg, draft, dense_dir, m2r2_dir, draft_dir) -> dict:

@@ -41,6 +41,9 @@ flags.DEFINE_float("temperature", 0.0, "also compare the methods sampled at this
 flags.DEFINE_float("top_p", 1.0, "nucleus mass of the sampled comparison")
 flags.DEFINE_string("draft_vocab", None, "m2r2_spec and distance_spec draft from this token subset only (a JSON "
                     "file from `m2r2 draft-vocab`); verification keeps the full vocabulary")
+flags.DEFINE_enum("kernel_implementation", None, ["auto", "xla", "pallas", "interpret"],
+                  "the fast stream's fused residual-rate update (m2r2_jax.kernels): override the M2R2 "
+                  "checkpoint's setting, e.g. xla to compare with the Pallas kernel on a GPU/TPU")
 flags.mark_flags_as_required(["checkpoint", "out"])
 sharding_flags.define("specdec")
 FLAGS = flags.FLAGS
@@ -52,8 +55,8 @@ def main(argv):
     from pathlib import Path
 
     from m2r2_jax.bench import report as R
-    from m2r2_jax.bench.cpu_cores import pin_to_cores
-    from m2r2_jax.bench.demo import _device, _write_json
+    from m2r2_jax.bench.cpu_cores import device_summary, pin_to_cores
+    from m2r2_jax.atomic import write_text_atomic
     from m2r2_jax.bench.prompts import load_prompt_set
     from m2r2_jax.bench.speculative import SPEC_METHODS, compare_methods, sampled_comparison
     from m2r2_jax.decoding.sampling import Sampling
@@ -87,6 +90,11 @@ def main(argv):
                           f"{FLAGS.n_prompts} of {FLAGS.prompts}, which has {len(prompts)}")
     prompts = prompts[: FLAGS.n_prompts + n_calib]
     base_cfg, base_params, mcfg, m2r2_params, fresh = load_base_and_m2r2(FLAGS.checkpoint, FLAGS.m2r2)
+    if FLAGS.kernel_implementation:
+        import dataclasses
+
+        mcfg = dataclasses.replace(mcfg, kernel_implementation=FLAGS.kernel_implementation)
+        mcfg.validate()
     draft = load_model(FLAGS.draft_checkpoint) if FLAGS.draft_checkpoint else None
     if any(isinstance(p, str) for p in prompts):
         tok = required_tokenizer(FLAGS.checkpoint, "to encode text prompts with")
@@ -128,7 +136,7 @@ def main(argv):
                            m2r2=(mcfg, m2r2_params), draft=draft, methods=methods, batch_sizes=batch_sizes,
                            repeats=FLAGS.repeats, plan=plan, progress=say, draft_vocab=vocab,
                            layer_loop=FLAGS.layer_loop)
-    report = {"device": _device(), "layer_loop": layer_loops, "prompts": FLAGS.prompts,
+    report = {"device": device_summary(), "layer_loop": layer_loops, "prompts": FLAGS.prompts,
               "n_prompts": len(prompts),
               "fresh_m2r2_params": fresh, "sharding": plan.describe() if plan else None, "m2r2": mcfg.to_dict(),
               "draft_vocab": None if vocab is None else {
@@ -150,7 +158,7 @@ def main(argv):
 
     if jax.process_index() == 0:  # multi-host: one process writes the report
         out.mkdir(parents=True, exist_ok=True)
-        _write_json(out / "report.json", report)
+        write_text_atomic(out / "report.json", json.dumps(report, indent=2))
         R.write_plots(report, out)
     print(R.table(report))
     print(json.dumps({"report": str(out / "report.json")}))

@@ -47,12 +47,18 @@ def test_bench_cli_pinned_to_one_core(tmp_path):
     from m2r2_jax.decoding import draft_vocab as DV
 
     vocab = DV.save(tmp_path / "vocab.json", list(range(0, 64, 2)), 64, "test", np.ones(64))  # drafts from half
+    # serving needs none of the training stack: a grain that cannot be imported must not matter
+    blocked = tmp_path / "blocked" / "grain"
+    blocked.mkdir(parents=True)
+    (blocked / "__init__.py").write_text("raise ImportError('grain is not installed here')\n")
     r = run_m2r2(["bench", f"--checkpoint={base}", f"--m2r2={m2r2}", f"--prompts={prompts}", f"--out={out}",
                   "--cpu_cores=1", "--batch_sizes=1", "--max_new_tokens=6", "--repeats=1", "--gamma=auto",
                   "--gamma_candidates=1,2", "--calibration_prompts=1", "--n_prompts=2", "--temperature=0.8",
-                  f"--draft_vocab={tmp_path / 'vocab.json'}"])
+                  f"--draft_vocab={tmp_path / 'vocab.json'}", "--kernel_implementation=xla"],
+                 env={"PYTHONPATH": os.pathsep.join([str(blocked.parent), os.environ.get("PYTHONPATH", "")])})
     assert r.returncode == 0, r.stderr[-2000:]
     rep = json.loads((out / "report.json").read_text())
+    assert mcfg.kernel_implementation == "auto" and rep["m2r2"]["kernel_implementation"] == "xla"  # overridden
     assert rep["draft_vocab"]["size"] == vocab["size"] == 32
     ar_tokens = [t for a in rep["speculative"]["ar"]["answers"] for t in a]
     assert rep["draft_vocab"]["coverage_of_ar_answers"] == pytest.approx(sum(t % 2 == 0 for t in ar_tokens) / len(ar_tokens))
@@ -112,3 +118,8 @@ def test_bench_cli_pinned_to_one_core(tmp_path):
     assert bad.returncode != 0 and "draft length must be a positive integer" in bad.stderr
     bad = run_m2r2(["bench", f"--checkpoint={base}", f"--out={out}", "--top_p=1.5"])
     assert bad.returncode != 0 and "top_p=1.5 is invalid" in bad.stderr and "Traceback" not in bad.stderr
+    bad = run_m2r2(["bench", f"--checkpoint={base}", f"--m2r2={m2r2}", f"--prompts={prompts}", f"--out={out}",
+                    "--batch_sizes=1", "--max_new_tokens=2", "--repeats=1", "--n_prompts=1",
+                    "--kernel_implementation=pallas"])  # no kernel on a CPU: one line, no traceback
+    assert bad.returncode != 0 and "implementation='pallas' needs a TPU or GPU" in bad.stderr
+    assert "Traceback" not in bad.stderr

@@ -197,10 +197,10 @@ def _copy_with(root: Path, name: str, src: Path, files: dict, drop=(), corrupt_p
 # ---------------------------------------------------------------------------------------------
 # running the CLI
 # ---------------------------------------------------------------------------------------------
-def run_m2r2(args, timeout: float = 300, cwd=None) -> subprocess.CompletedProcess:
-    """One real `m2r2 ARGS` process (the installed console script)."""
-    return subprocess.run([M2R2, *map(str, args)], capture_output=True, text=True, env=subprocess_env(),
-                          timeout=timeout, cwd=cwd)
+def run_m2r2(args, timeout: float = 300, cwd=None, env=None) -> subprocess.CompletedProcess:
+    """One real `m2r2 ARGS` process (the installed console script); `env` adds to subprocess_env()."""
+    return subprocess.run([M2R2, *map(str, args)], capture_output=True, text=True,
+                          env={**subprocess_env(), **(env or {})}, timeout=timeout, cwd=cwd)
 
 
 def run_many(arg_lists, workers: int = 2, timeout: float = 300) -> list:

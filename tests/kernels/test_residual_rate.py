@@ -176,13 +176,14 @@ def test_unknown_implementation_raises():
         residual_rate_update(x, u, rho, implementation="triton")
 
 
-@pytest.mark.parametrize("platform,d,rank", [("tpu", 1 << 20, 0), ("gpu", 96, 4), ("gpu", 256, 128)])
+@pytest.mark.parametrize("platform,d,rank", [("tpu", 1 << 20, 0), ("gpu", 1056, 4), ("gpu", 1024, 128)])
 def test_auto_falls_back_with_warning_when_kernel_cannot_take_shape(monkeypatch, platform, d, rank):
     monkeypatch.setattr(op_module, "_platform", lambda: platform)
+    rows = op_module.GPU_AUTO_MIN_ROWS  # a size where "auto" on a GPU wants the kernel
     with pytest.warns(KernelFallbackWarning, match="using the XLA reference"):
-        assert op_module.select_backend("auto", 8, d, rank, F32, True) == ("xla", None)
+        assert op_module.select_backend("auto", rows, d, rank, F32, True) == ("xla", None)
     with pytest.raises(ConfigError, match="cannot run"):
-        op_module.select_backend("pallas", 8, d, rank, F32, True)
+        op_module.select_backend("pallas", rows, d, rank, F32, True)
 
 
 def test_forced_tpu_block_rows_must_fit_the_tile(monkeypatch):
@@ -196,9 +197,19 @@ def test_forced_tpu_block_rows_must_fit_the_tile(monkeypatch):
                                                ("gpu", pallas_gpu.choose_block_rows)])
 def test_auto_picks_the_platform_kernel(monkeypatch, platform, chooser):
     monkeypatch.setattr(op_module, "_platform", lambda: platform)
-    rows = chooser(4096, 1024, 16, BF16, True)
+    rows = chooser(16384, 1024, 16, BF16, True)
     assert rows is not None
-    assert op_module.select_backend("auto", 4096, 1024, 16, BF16, True) == (platform, rows)
+    assert op_module.select_backend("auto", 16384, 1024, 16, BF16, True) == (platform, rows)
+
+
+@pytest.mark.parametrize("n_rows,d", [(1, 4096), (5, 192), (4096, 4096), (op_module.GPU_AUTO_MIN_ROWS, 192)])
+def test_auto_on_gpu_keeps_xla_where_it_measured_faster(monkeypatch, recwarn, n_rows, d):
+    # decode-sized and narrow calls: XLA's fused update beat the kernel on an H200; not a fallback
+    monkeypatch.setattr(op_module, "_platform", lambda: "gpu")
+    assert op_module.select_backend("auto", n_rows, d, 8, BF16, True) == ("xla", None)
+    assert not [w for w in recwarn if issubclass(w.category, KernelFallbackWarning)]
+    assert op_module.select_backend("pallas", n_rows, d, 8, BF16, True) == ("gpu", pallas_gpu.BLOCK_ROWS)
+    assert op_module.select_backend("auto", op_module.GPU_AUTO_MIN_ROWS, 4096, 8, BF16, True)[0] == "gpu"
 
 
 def test_block_rows_fit_vmem_budget():
