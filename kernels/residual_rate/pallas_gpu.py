@@ -22,8 +22,10 @@ z @ B is done as R rank-1 updates on the CUDA cores (R <= 64 broadcast FMAs per 
 adapter ranks this project uses that avoids staging swizzled WGMMA operands and any K-alignment
 constraint. A ragged T is padded to whole 64-row blocks outside the kernel (see `fused_update`).
 
-Status: traced, lowered to Mosaic GPU MLIR on CPU and run in Pallas' GPU interpreter with race
-detection (tests/kernels/test_residual_rate_backends.py); not yet compiled or executed on a GPU.
+Status: lowered to Mosaic GPU MLIR on CPU and run in Pallas' GPU interpreter with race detection
+(tests/kernels/test_residual_rate_backends.py); compiled and checked on an NVIDIA H200 with JAX 0.11.2
+(outputs and gradients on 12 shapes; docs/RESULTS.md). There it reaches 72% of the copy-bandwidth
+roofline at 16,384 x 4,096 bf16: the second pass re-reads y, so 5/4 of the minimum bytes move.
 """
 
 from __future__ import annotations
