@@ -13,7 +13,7 @@
 #
 # PROMPTS: a prompt set name or jsonl file for m2r2 bench (default mt_bench). PYTHON: the interpreter
 # (default python3). BENCH_ARGS: extra flags for m2r2 bench. CHECK_CASES: which of kernels/bench.py's
-# CHECK_CASES to compile and check (e.g. 11,12; default all).
+# CHECK_CASES to compile and check (e.g. 11,12; default all). DRY_RUN=1: print the stages' commands.
 set -uo pipefail
 
 if [[ $# -lt 3 ]]; then
@@ -31,6 +31,10 @@ START=$(date +%s)
 stage() {  # stage NAME SECONDS COMMAND...: run with a limit, log to OUT/NAME.log, report rc and time
   local name=$1 limit=$2 t0 rc
   shift 2
+  if [[ "${DRY_RUN:-0}" == 1 ]]; then
+    printf '%s: ' "$name"; printf '%q ' "$@"; echo
+    return 0
+  fi
   t0=$(date +%s)
   echo "== $name (limit ${limit}s, at +$((t0 - START))s)"
   timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
@@ -39,7 +43,7 @@ stage() {  # stage NAME SECONDS COMMAND...: run with a limit, log to OUT/NAME.lo
   return $rc
 }
 
-{
+[[ "${DRY_RUN:-0}" == 1 ]] || {
   date -u
   nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv 2>/dev/null
   "$PY" - <<'EOF'
@@ -53,10 +57,10 @@ for p in ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "numpy"):
         print(p, "missing")
 EOF
 } >"$OUT/env.txt" 2>&1
-cat "$OUT/env.txt"
+[[ "${DRY_RUN:-0}" == 1 ]] || cat "$OUT/env.txt"
 
 KB=("$PY" -m m2r2_jax.kernels.bench --iters 20 --calls 10)
-stage kernels_d4096_r16 120 "${KB[@]}" ${CHECK_CASES:+--check-cases "$CHECK_CASES"} --d 4096 --rank 16 --dtype bfloat16 --out "$OUT/kernels_d4096_r16.json"
+stage kernels_d4096_r16 240 "${KB[@]}" ${CHECK_CASES:+--check-cases "$CHECK_CASES"} --d 4096 --rank 16 --dtype bfloat16 --out "$OUT/kernels_d4096_r16.json"
 KERNEL_RC=$?
 stage kernels_d4096_r0 60 "${KB[@]}" --skip-checks --d 4096 --rank 0 --dtype bfloat16 \
   --out "$OUT/kernels_d4096_r0.json"
@@ -72,6 +76,7 @@ else
   echo "== bench_pallas skipped: the kernel checks did not pass (rc=$KERNEL_RC)"
 fi
 
+[[ "${DRY_RUN:-0}" == 1 ]] && exit 0
 echo
 for f in "$OUT"/kernels_*.log; do
   echo "--- $(basename "$f")"

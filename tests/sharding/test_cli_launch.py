@@ -153,3 +153,26 @@ def test_launcher_scripts_print_their_commands_in_dry_run():
     assert srun.returncode == 0 and srun.stdout.strip() == "srun m2r2 distill --mesh fsdp=-1"
     none = subprocess.run(["bash", str(ROOT / "launch/slurm_gpu.sbatch")], capture_output=True, text=True, env=slurm_env)
     assert none.returncode == 2 and "give the command to run" in none.stderr
+
+
+def test_accelerator_check_stages_and_usage_errors(tmp_path):
+    script = str(ROOT / "launch/accelerator_check.sh")
+    base, m2r2 = tmp_path / "base", tmp_path / "m2r2"
+    base.mkdir(), m2r2.mkdir()
+    env = dict(os.environ, DRY_RUN="1", BENCH_ARGS="--n_prompts=5", CHECK_CASES="11,12")
+    r = subprocess.run(["bash", script, str(tmp_path / "out"), str(base), str(m2r2), "koala"],
+                       capture_output=True, text=True, env=env)
+    assert r.returncode == 0, r.stderr
+    stages = dict(line.split(": ", 1) for line in r.stdout.strip().splitlines())
+    assert list(stages) == ["kernels_d4096_r16", "kernels_d4096_r0", "kernels_d192_r8", "bench_xla", "bench_pallas"]
+    assert "m2r2_jax.kernels.bench" in stages["kernels_d4096_r16"] and "--check-cases 11\\,12" in stages["kernels_d4096_r16"]
+    assert all("--skip-checks" in stages[s] for s in ("kernels_d4096_r0", "kernels_d192_r8"))
+    for impl in ("xla", "pallas"):
+        cmd = stages[f"bench_{impl}"]
+        assert f"--kernel_implementation={impl}" in cmd and "--prompts=koala" in cmd and "--n_prompts=5" in cmd
+        assert f"--checkpoint={base}" in cmd and f"--m2r2={m2r2}" in cmd
+    usage = subprocess.run(["bash", script, str(tmp_path)], capture_output=True, text=True)
+    assert usage.returncode == 2 and usage.stderr.strip().startswith("accelerator_check.sh: error: usage:")
+    missing = subprocess.run(["bash", script, str(tmp_path / "out"), str(tmp_path / "nope"), str(m2r2)],
+                             capture_output=True, text=True)
+    assert missing.returncode == 2 and missing.stderr.strip() == f"accelerator_check.sh: error: no such directory: {tmp_path / 'nope'}"
