@@ -36,11 +36,11 @@ Array = jax.Array
 IMPLEMENTATIONS = ("auto", "xla", "pallas", "interpret")
 
 # "auto" on a GPU takes the Mosaic GPU kernel only for at least this many rows of at least this width.
-# Measured on an H200 (docs/RESULTS.md, "The fused residual-rate kernel on an H200"), bf16, d=4096:
-# at 16,384 rows the kernel ran 1.19x faster than XLA; at 4,096 rows (64 row blocks for 132
-# multiprocessors, half of them idle) and at decode sizes it was slower, and at d=192 it was slower
-# at every row count. A kernel call also ends XLA's fusion of the update with its neighbours, which
-# at decode sizes costs more than the update itself. 8,192 rows = 128 row blocks, one full wave.
+# Measured on an H200 (docs/RESULTS.md, "On an NVIDIA H200"), bf16, d=4096: at 16,384 rows the
+# kernel ran 1.19x faster than XLA; at 4,096 rows (64 row blocks for 132 multiprocessors, half of
+# them idle) and at decode sizes it was slower, and at d=192 it was slower at every row count
+# measured (1 to 4,096). A kernel call also ends XLA's fusion of the update with its neighbours,
+# which at decode sizes costs more than the update itself. 8,192 rows = 128 row blocks, one wave.
 GPU_AUTO_MIN_ROWS = 8192
 GPU_AUTO_MIN_D = 1024
 

@@ -165,7 +165,8 @@ def test_accelerator_check_stages_and_usage_errors(tmp_path):
     assert r.returncode == 0, r.stderr
     stages = dict(line.split(": ", 1) for line in r.stdout.strip().splitlines())
     assert list(stages) == ["kernels_d4096_r16", "kernels_d4096_r0", "kernels_d192_r8", "bench_xla", "bench_pallas"]
-    assert "m2r2_jax.kernels.bench" in stages["kernels_d4096_r16"] and "--check-cases 11\\,12" in stages["kernels_d4096_r16"]
+    checks = stages["kernels_d4096_r16"]
+    assert "m2r2_jax.kernels.bench" in checks and "--check-cases 11\\,12" in checks
     assert all("--skip-checks" in stages[s] for s in ("kernels_d4096_r0", "kernels_d192_r8"))
     for impl in ("xla", "pallas"):
         cmd = stages[f"bench_{impl}"]
@@ -175,4 +176,5 @@ def test_accelerator_check_stages_and_usage_errors(tmp_path):
     assert usage.returncode == 2 and usage.stderr.strip().startswith("accelerator_check.sh: error: usage:")
     missing = subprocess.run(["bash", script, str(tmp_path / "out"), str(tmp_path / "nope"), str(m2r2)],
                              capture_output=True, text=True)
-    assert missing.returncode == 2 and missing.stderr.strip() == f"accelerator_check.sh: error: no such directory: {tmp_path / 'nope'}"
+    assert missing.returncode == 2
+    assert missing.stderr.strip() == f"accelerator_check.sh: error: no such directory: {tmp_path / 'nope'}"
