@@ -5,7 +5,9 @@
 #      (forward and gradients over the CPU tests' shapes), then timed against XLA and the copy-bandwidth
 #      roofline at d=4096 bf16 with and without the low-rank term, and at the embedded default's width;
 #   3. `m2r2 bench` on a base and its M2R2 checkpoint, greedy batch 1, the fast stream's update on
-#      XLA and, when the kernel checks passed, on the kernel (--kernel_implementation=pallas).
+#      XLA and, when the kernel checks passed, on the kernel (--kernel_implementation=pallas);
+#   4. with MOE_BASE and MOE_M2R2 set: `m2r2 moe-bench` on that MoE base, its real offload engine
+#      calibrated on the device (host -> device expert copies, per-layer compute) and its ladder.
 # Each stage has its own time limit and log, so a failing stage does not cost the others; the last
 # lines printed are the tables.
 #
@@ -13,7 +15,9 @@
 #
 # PROMPTS: a prompt set name or jsonl file for m2r2 bench (default mt_bench). PYTHON: the interpreter
 # (default python3). BENCH_ARGS: extra flags for m2r2 bench. CHECK_CASES: which of kernels/bench.py's
-# CHECK_CASES to compile and check (e.g. 11,12; default all). DRY_RUN=1: print the stages' commands.
+# CHECK_CASES to compile and check (e.g. 11,12; default all). MOE_BASE, MOE_M2R2, MOE_ARGS: the MoE
+# stage's checkpoints and extra flags; MOE_PROMPTS: its prompt file (default PROMPTS, which must then
+# be a file). DRY_RUN=1: print the stages' commands.
 set -uo pipefail
 
 if [[ $# -lt 3 ]]; then
@@ -22,9 +26,18 @@ if [[ $# -lt 3 ]]; then
 fi
 OUT=$1 BASE=$2 M2R2=$3 PROMPTS=${4:-mt_bench}
 PY=${PYTHON:-python3}
-for d in "$BASE" "$M2R2"; do
+if [[ -n ${MOE_BASE:-} || -n ${MOE_M2R2:-} ]] && [[ -z ${MOE_BASE:-} || -z ${MOE_M2R2:-} ]]; then
+  echo "accelerator_check.sh: error: set both MOE_BASE and MOE_M2R2, or neither" >&2
+  exit 2
+fi
+for d in "$BASE" "$M2R2" ${MOE_BASE:+"$MOE_BASE" "$MOE_M2R2"}; do
   [[ -d $d ]] || { echo "accelerator_check.sh: error: no such directory: $d" >&2; exit 2; }
 done
+MOE_PROMPTS=${MOE_PROMPTS:-$PROMPTS}
+if [[ -n ${MOE_BASE:-} && ! -f $MOE_PROMPTS ]]; then
+  echo "accelerator_check.sh: error: the MoE stage needs a prompt file (PROMPTS or MOE_PROMPTS), got $MOE_PROMPTS" >&2
+  exit 2
+fi
 mkdir -p "$OUT"
 START=$(date +%s)
 
@@ -76,6 +89,11 @@ else
   echo "== bench_pallas skipped: the kernel checks did not pass (rc=$KERNEL_RC)"
 fi
 
+if [[ -n ${MOE_BASE:-} ]]; then
+  stage moe_bench 240 "$PY" -m m2r2_jax.cli.main moe-bench "--checkpoint=$MOE_BASE" "--m2r2=$MOE_M2R2" \
+    "--prompts=$MOE_PROMPTS" "--out=$OUT/moe_bench" ${MOE_ARGS:-}
+fi
+
 [[ "${DRY_RUN:-0}" == 1 ]] && exit 0
 echo
 for f in "$OUT"/kernels_*.log; do
@@ -88,4 +106,8 @@ for b in bench_xla bench_pallas; do
   echo "--- $b"
   grep -v "^\[bench\]\|it/s\]" "$OUT/$b.log" | tail -n 16
 done
+if [[ -f $OUT/moe_bench.log ]]; then
+  echo "--- moe_bench"
+  grep -v "it/s\]\|s/it\]" "$OUT/moe_bench.log" | tail -n 30
+fi
 echo "total: $(($(date +%s) - START))s"

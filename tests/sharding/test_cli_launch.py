@@ -172,6 +172,20 @@ def test_accelerator_check_stages_and_usage_errors(tmp_path):
         cmd = stages[f"bench_{impl}"]
         assert f"--kernel_implementation={impl}" in cmd and "--prompts=koala" in cmd and "--n_prompts=5" in cmd
         assert f"--checkpoint={base}" in cmd and f"--m2r2={m2r2}" in cmd
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"tokens": [1, 2]}\n')
+    moe = dict(env, MOE_BASE=str(base), MOE_M2R2=str(m2r2), MOE_ARGS="--capacity 4")
+    r = subprocess.run(["bash", script, str(tmp_path / "out"), str(base), str(m2r2), str(prompts)],
+                       capture_output=True, text=True, env=moe)
+    assert r.returncode == 0, r.stderr
+    last = r.stdout.strip().splitlines()[-1]
+    assert last.startswith("moe_bench: ") and "moe-bench" in last and f"--prompts={prompts}" in last
+    assert "--capacity 4" in last
+    for bad_env, needle in ((dict(env, MOE_BASE=str(base)), "set both MOE_BASE and MOE_M2R2"),
+                            (moe, "the MoE stage needs a prompt file")):
+        bad = subprocess.run(["bash", script, str(tmp_path / "out"), str(base), str(m2r2), "mt_bench"],
+                             capture_output=True, text=True, env=bad_env)
+        assert bad.returncode == 2 and needle in bad.stderr
     usage = subprocess.run(["bash", script, str(tmp_path)], capture_output=True, text=True)
     assert usage.returncode == 2 and usage.stderr.strip().startswith("accelerator_check.sh: error: usage:")
     missing = subprocess.run(["bash", script, str(tmp_path / "out"), str(tmp_path / "nope"), str(m2r2)],
