@@ -38,7 +38,7 @@ if [[ -n ${MOE_BASE:-} && ! -f $MOE_PROMPTS ]]; then
   echo "accelerator_check.sh: error: the MoE stage needs a prompt file (PROMPTS or MOE_PROMPTS), got $MOE_PROMPTS" >&2
   exit 2
 fi
-mkdir -p "$OUT"
+[[ "${DRY_RUN:-0}" == 1 ]] || mkdir -p "$OUT"
 START=$(date +%s)
 
 stage() {  # stage NAME SECONDS COMMAND...: run with a limit, log to OUT/NAME.log, report rc and time
@@ -73,7 +73,8 @@ EOF
 [[ "${DRY_RUN:-0}" == 1 ]] || cat "$OUT/env.txt"
 
 KB=("$PY" -m m2r2_jax.kernels.bench --iters 20 --calls 10)
-stage kernels_d4096_r16 240 "${KB[@]}" ${CHECK_CASES:+--check-cases "$CHECK_CASES"} --d 4096 --rank 16 --dtype bfloat16 --out "$OUT/kernels_d4096_r16.json"
+stage kernels_d4096_r16 240 "${KB[@]}" ${CHECK_CASES:+--check-cases "$CHECK_CASES"} --d 4096 --rank 16 \
+  --dtype bfloat16 --out "$OUT/kernels_d4096_r16.json"
 KERNEL_RC=$?
 stage kernels_d4096_r0 60 "${KB[@]}" --skip-checks --d 4096 --rank 0 --dtype bfloat16 \
   --out "$OUT/kernels_d4096_r0.json"

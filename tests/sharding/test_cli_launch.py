@@ -163,6 +163,7 @@ def test_accelerator_check_stages_and_usage_errors(tmp_path):
     r = subprocess.run(["bash", script, str(tmp_path / "out"), str(base), str(m2r2), "koala"],
                        capture_output=True, text=True, env=env)
     assert r.returncode == 0, r.stderr
+    assert not (tmp_path / "out").exists()  # a dry run writes nothing
     stages = dict(line.split(": ", 1) for line in r.stdout.strip().splitlines())
     assert list(stages) == ["kernels_d4096_r16", "kernels_d4096_r0", "kernels_d192_r8", "bench_xla", "bench_pallas"]
     checks = stages["kernels_d4096_r16"]
