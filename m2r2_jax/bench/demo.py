@@ -151,10 +151,6 @@ def heldout_prompts(tok, n: int, length: int, phase: float = 0.0) -> list:
     return [ids[i * stride + start:i * stride + start + length] for i in range(n)]
 
 
-def _write_json(path: Path, obj) -> None:
-    write_text_atomic(path, json.dumps(obj, indent=2))
-
-
 STEP_OVERRIDES = ("dense_steps", "distill_steps")
 
 
@@ -289,7 +285,7 @@ def _run_demo(out: Path, budget_name: str, budget: Budget, force: bool, skip_moe
     # this process's programs loaded from OUT/artifacts/xla_cache (the one-core child's are its own)
     report["compile_cache"] = dict(compile_stats)
     report["targets"] = R.targets(report)
-    _write_json(out / "report.json", report)
+    write_text_atomic(out / "report.json", json.dumps(report, indent=2))
     R.write_plots(report, out)
     print(R.table(report))
     return report
