@@ -72,6 +72,22 @@ def layers_covered(base: ModelConfig, mcfg: M2R2Config) -> tuple:
     return tuple(max(1, e - s) for s, e in zip(starts, ends))
 
 
+def state_for_layer(branch_layer: int, visited: tuple, layer: int) -> int:
+    """The fast state that stands for layer `layer`'s input (layer >= branch_layer): the last g_s
+    whose target is at or before it (g_0 = h_b, g_i ~ the output of visited layer j_i)."""
+    targets = (branch_layer,) + tuple(j + 1 for j in visited)
+    return max(i for i, t in enumerate(targets) if t <= layer)
+
+
+def skipped_layer_states(base: ModelConfig, mcfg: M2R2Config) -> tuple:
+    """((layer, s), ...) for every layer from the branch on that no fast step visits, with the
+    fast state g_s standing for its input (`state_for_layer`). g_0 is the slow stream's own h_b,
+    so pairs with s = 0 are left out: no M2R2 parameter shapes them."""
+    b, visited = mcfg.branch_layer, visited_layers(base, mcfg)
+    pairs = ((l, state_for_layer(b, visited, l)) for l in range(b, base.n_layers) if l not in visited)
+    return tuple((l, s) for l, s in pairs if s > 0)
+
+
 def adapter_shapes(base: ModelConfig, mcfg: M2R2Config) -> dict:
     d, qd, kvd = base.d_model, base.n_heads * base.head_dim, base.n_kv_heads * base.head_dim
     dims = {"q_proj": (d, qd), "k_proj": (d, kvd), "v_proj": (d, kvd), "o_proj": (qd, d),

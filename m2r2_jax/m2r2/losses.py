@@ -20,11 +20,13 @@ from m2r2_jax.errors import ConfigError
 from m2r2_jax.m2r2 import fast_stream as F
 from m2r2_jax.m2r2.config import M2R2Config
 from m2r2_jax.m2r2.router import step_scalars
+from m2r2_jax.models import transformer as T
 from m2r2_jax.models.config import ModelConfig
 
 STREAM_KEYS = ("adapters", "rates", "exit_norm", "moe_lowrank")
 DECIDER_KEYS = ("router", "step_mlp")
 STAGES = ("stream", "router", "joint")
+ROUTING_LAYERS = ("visited", "predicted")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,6 +38,10 @@ class LossConfig:
     # MoE bases: KL from the slow stream's routing at each visited layer to the routing the fast
     # stream's own MLP input gets there, so the fast state also predicts which experts load (0: off)
     lambda_routing: float = 0.0
+    # which layers that term covers: "visited" (the fast steps' own MLP inputs only) or "predicted"
+    # (also every skipped layer after the branch, through its router on the fast state standing for
+    # its input, `fast_stream.skipped_layer_states`: the guess the offload predictor makes there)
+    routing_layers: str = "predicted"
 
     def validate(self) -> "LossConfig":
         if not self.temperature > 0:
@@ -45,6 +51,9 @@ class LossConfig:
                 raise ConfigError(f"loss.{name}={getattr(self, name)!r} is invalid: expected >= 0")
         if self.step_weights not in ("uniform", "increasing"):
             raise ConfigError(f"loss.step_weights={self.step_weights!r} is invalid: expected uniform or increasing")
+        if self.routing_layers not in ROUTING_LAYERS:
+            raise ConfigError(f"loss.routing_layers={self.routing_layers!r} is invalid: expected "
+                              f"{' or '.join(ROUTING_LAYERS)}")
         return self
 
 
@@ -95,10 +104,14 @@ def distill_loss(base: ModelConfig, mcfg: M2R2Config, lcfg: LossConfig, base_par
     kl, align, labels, scalars = jax.lax.map(per_step, (jnp.arange(k), tf.states, prevs, targets))
     w = _step_weights(k, lcfg.step_weights)
     loss = jnp.sum(w * (kl + lcfg.lambda_align * align))
-    routing_kl = None
+    routing_kl = skipped_kl = None
     if lcfg.lambda_routing > 0 and tf.moe_router_logits is not None:
         routing_kl = _routing_kl(tf.slow_router_logits[jnp.asarray(F.visited_layers(base, mcfg))], tf.moe_router_logits)
         loss = loss + lcfg.lambda_routing * jnp.sum(w * routing_kl)
+        pairs = F.skipped_layer_states(base, mcfg) if lcfg.routing_layers == "predicted" else ()
+        if pairs:
+            skipped_kl = _skipped_routing_kl(base, base_params, tf, pairs)
+            loss = loss + lcfg.lambda_routing * jnp.mean(skipped_kl)
 
     # deciders, on stop-gradient states
     states_sg = jax.lax.stop_gradient(tf.states)
@@ -120,11 +133,23 @@ def distill_loss(base: ModelConfig, mcfg: M2R2Config, lcfg: LossConfig, base_par
     }
     if routing_kl is not None:
         metrics["routing_kl"] = jnp.sum(w * routing_kl)
+    if skipped_kl is not None:
+        metrics["routing_kl_skipped"] = jnp.mean(skipped_kl)
     return loss, metrics
 
 
+def _skipped_routing_kl(base: ModelConfig, base_params, tf, pairs) -> jax.Array:
+    """[P] KL(slow routing || layer l's router on fast state g_s) for each (l, s) in `pairs`
+    (s >= 1). A skipped layer has no fast step of its own: the offload predictor guesses its experts
+    from the state standing for its input, and nothing else in the loss makes that state carry the
+    directions this layer's router reads (alignment is a cosine over all of d)."""
+    slow = jnp.stack([tf.slow_router_logits[l] for l, _ in pairs])
+    fast = jnp.stack([T.layer_router_logits(base, base_params, l, tf.states[s - 1]) for l, s in pairs])
+    return _routing_kl(slow, fast)
+
+
 def _routing_kl(slow_logits, fast_logits) -> jax.Array:
-    """[K] mean KL(slow routing || fast routing) over tokens, per visited layer ([K, B, T, E] each)."""
+    """[K] mean KL(slow routing || fast routing) over tokens, per layer ([K, B, T, E] each)."""
     logp_slow = jax.nn.log_softmax(slow_logits.astype(jnp.float32), axis=-1)
     logp_fast = jax.nn.log_softmax(fast_logits.astype(jnp.float32), axis=-1)
     return jnp.mean(jnp.sum(jnp.exp(logp_slow) * (logp_slow - logp_fast), -1), axis=(1, 2))

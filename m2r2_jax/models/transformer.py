@@ -26,7 +26,8 @@ import jax
 import jax.numpy as jnp
 
 from m2r2_jax.models.config import ModelConfig
-from m2r2_jax.models.layers import DecoderLayer, Embedder, RMSNorm, attend, attention_mask, dtype_of, heads_major
+from m2r2_jax.models.layers import (DecoderLayer, Embedder, RMSNorm, attend, attention_mask, dtype_of, heads_major,
+                                    rms_norm)
 from m2r2_jax.sharding.plan import constrain
 
 Params = dict
@@ -182,6 +183,17 @@ def head(cfg: ModelConfig, params: Params, h: jax.Array, norm_scale: Optional[ja
     else:
         logits = hn @ params["lm_head"]["kernel"].astype(hn.dtype)
     return constrain(logits.astype(jnp.float32), LOGITS_AXES)
+
+
+def layer_router_logits(cfg: ModelConfig, params: Params, layer, x: jax.Array) -> jax.Array:
+    """MoE layer `layer`'s router on states x [..., d] that stand for that layer's input: its MLP
+    pre-norm, then the router, as the layer itself computes them. float32 [..., E]: the experts the
+    layer would pick for x. Used to guess routing from states other than the slow stream's own."""
+    if not cfg.is_moe:
+        raise ValueError(f"{cfg.family} has no MoE router (n_experts=0)")
+    lp = layer_params(params, layer)
+    xn = rms_norm(x, lp["mlp_norm"]["scale"], cfg.rms_eps)
+    return (xn @ lp["mlp"]["router"]["kernel"].astype(xn.dtype)).astype(jnp.float32)
 
 
 def layer_forward(

@@ -55,3 +55,16 @@ def recall_by_lookahead(trace: RoutingTrace) -> dict:
             if m is not None and n is not None:
                 out["m2r2_vs_next_gate"][a] = {"layers": layers, "m2r2": m, ng: n}
     return out
+
+
+def expert_load(trace: RoutingTrace) -> dict:
+    """How evenly the slow stream spreads its expert assignments over the trace: per layer, the
+    busiest expert's share of the (token, top-k slot) assignments times E. 1 is an even split; E /
+    top_k means every token picks the same experts. (Pre-training logs the same figure as
+    `expert_load_max`.) A cache of 2 x top_k slots hits almost always on skewed routing, so a trace
+    far above 1 makes every offload policy look better than it would on a balanced MoE."""
+    E, k = trace.n_experts, trace.top_k
+    per_layer = [float(np.bincount(trace.true[:, l].ravel(), minlength=E).max()) * E / (trace.n_tokens * k)
+                 for l in range(trace.n_layers)]
+    return {"busiest_expert_load_per_layer": per_layer, "busiest_expert_load": float(np.mean(per_layer)),
+            "even": 1.0, "collapsed": E / k}

@@ -27,8 +27,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from m2r2_jax.errors import ConfigError
-from m2r2_jax.m2r2.fast_stream import train_forward, visited_layers
-from m2r2_jax.models.layers import rms_norm
+from m2r2_jax.m2r2.fast_stream import state_for_layer, train_forward, visited_layers
+from m2r2_jax.models.transformer import layer_router_logits
 from m2r2_jax.moe_offload.trace import next_gate_issue
 
 PREDICTORS = ("none", "next_gate", "m2r2", "oracle")
@@ -44,12 +44,7 @@ def cross_router_logits(base_cfg, base_params, hidden: jax.Array) -> jax.Array:
     """[L, M, ..., E]: layer l's router applied to (layer l's MLP pre-norm of) state m.
 
     hidden: [M, ..., d] candidate states (slow hidden states, fast states)."""
-    lay = base_params["layers"]
-    scales = lay["mlp_norm"]["scale"]  # [L, d]
-    kernels = lay["mlp"]["router"]["kernel"]  # [L, d, E]
-    unit = rms_norm(hidden, jnp.ones((hidden.shape[-1],), hidden.dtype), base_cfg.rms_eps)
-    normed = unit[None] * scales.reshape((scales.shape[0],) + (1,) * (hidden.ndim - 1) + (-1,)).astype(unit.dtype)
-    return jnp.einsum("lm...d,lde->lm...e", normed, kernels.astype(normed.dtype)).astype(jnp.float32)
+    return jnp.stack([layer_router_logits(base_cfg, base_params, l, hidden) for l in range(base_cfg.n_layers)])
 
 
 def ranking(logits: np.ndarray) -> np.ndarray:
@@ -91,7 +86,6 @@ def m2r2_state_plan(n_layers: int, branch_layer: int, visited: tuple, sources=No
     `choose_m2r2_sources`) replaces that choice; every fast state exists by the end of the fast
     pass, so any source keeps the lead of the fast stream. The pass stops after the last step the
     sources need (`fast_steps_needed`); a state that step produces is issued when the pass ends."""
-    targets = [branch_layer] + [j + 1 for j in visited]  # input index each fast state approximates
     if sources is None:
         sources = []
         for l in range(n_layers):
@@ -100,7 +94,7 @@ def m2r2_state_plan(n_layers: int, branch_layer: int, visited: tuple, sources=No
             elif l in visited:
                 sources.append(("fast", visited.index(l)))
             else:
-                sources.append(("state", max(i for i, t in enumerate(targets) if t <= l)))
+                sources.append(("state", state_for_layer(branch_layer, visited, l)))
     plan = tuple((str(kind), None if i is None else int(i)) for kind, i in sources)
     check_m2r2_sources(plan, n_layers, branch_layer, visited)
     depth = fast_steps_needed(plan)  # the fast pass stops after the last step a source needs

@@ -18,7 +18,7 @@ from m2r2_jax.errors import ConfigError
 from m2r2_jax.m2r2.fast_stream import adapter_shapes, draft_cost_layers, visited_layers
 from m2r2_jax.moe_offload import platforms as P
 from m2r2_jax.moe_offload.engine import OffloadEngine, memory_kinds
-from m2r2_jax.moe_offload.metrics import mean_recall, recall_by_lookahead, recall_per_layer
+from m2r2_jax.moe_offload.metrics import expert_load, mean_recall, recall_by_lookahead, recall_per_layer
 from m2r2_jax.moe_offload.policies import FUTURE_POLICIES
 from m2r2_jax.moe_offload.predictors import (choose_m2r2_sources, fast_steps_needed, m2r2_state_plan,
                                              sources_by_fast_steps)
@@ -342,6 +342,7 @@ def moe_report(base_cfg, base_params, mcfg, m2r2_params, prompts_tokens: Sequenc
                   # a teacher-forced trace follows the given text, not the greedy reference
                   "trace_tokens_equal_reference": generated == reference if continuations is None else None,
                   "distinct_token_fraction": len({t for g in generated for t in g}) / max(trace.n_tokens, 1),
+                  "expert_load": expert_load(trace),
                   "leads": {p: trace.lead(p).tolist() for p in trace.rankings}, **trace.notes},
         "capacity": capacity,
         "recall": recall,

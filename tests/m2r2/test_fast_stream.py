@@ -162,8 +162,8 @@ def test_routing_distillation_term():
     base, bp, mcfg, mp = _setup("mixtral", moe_fast_mlp="lowrank")
     toks = jax.random.randint(jax.random.key(9), (2, 8), 0, base.vocab_size)
     off_loss, off = L.distill_loss(base, mcfg, L.LossConfig(), bp, mp, toks)
-    on_loss, on = L.distill_loss(base, mcfg, L.LossConfig(lambda_routing=2.0), bp, mp, toks)
-    assert "routing_kl" not in off and float(on["routing_kl"]) > 0
+    on_loss, on = L.distill_loss(base, mcfg, L.LossConfig(lambda_routing=2.0, routing_layers="visited"), bp, mp, toks)
+    assert "routing_kl" not in off and float(on["routing_kl"]) > 0 and "routing_kl_skipped" not in on
     assert float(on_loss) == pytest.approx(float(off_loss) + 2.0 * float(on["routing_kl"]), rel=1e-5)
     tf = F.train_forward(base, mcfg, bp, mp, toks)
     slow = np.asarray(tf.slow_router_logits)[list(F.visited_layers(base, mcfg))].astype(np.float64)
@@ -177,7 +177,8 @@ def test_routing_distillation_term():
     assert float(on["routing_kl"]) == pytest.approx(want, rel=1e-4)
 
     def routing_kl(p):
-        return L.distill_loss(base, mcfg, L.LossConfig(lambda_routing=1.0), bp, p, toks)[1]["routing_kl"]
+        return L.distill_loss(base, mcfg, L.LossConfig(lambda_routing=1.0, routing_layers="visited"), bp, p,
+                              toks)[1]["routing_kl"]
 
     g = jax.grad(routing_kl)(mp)
     assert float(sum(jnp.sum(x * x) for x in jax.tree.leaves(g["adapters"]))) > 0
@@ -186,6 +187,59 @@ def test_routing_distillation_term():
     assert float(routing_kl(stepped)) < float(routing_kl(mp))
     with pytest.raises(ConfigError, match="lambda_routing"):
         L.LossConfig(lambda_routing=-1.0).validate()
+
+
+def test_skipped_layer_states():
+    """Each layer after the branch that no fast step visits is stood for by the last fast state
+    whose target is at or before its input; g_0 (the slow stream's h_b) is left out."""
+    base = tiny_config("llama", n_layers=8)
+    assert F.skipped_layer_states(base, M2R2Config(branch_layer=2, rate=2)) == ((4, 1), (6, 2))  # visits 3, 5, 7
+    assert F.skipped_layer_states(base, M2R2Config(branch_layer=1, rate=3)) == ((4, 1), (5, 1))  # visits 3, 6, 7
+    assert F.skipped_layer_states(base, M2R2Config(branch_layer=5, schedule="consecutive")) == ()
+    assert [F.state_for_layer(1, (3, 6, 7), l) for l in range(1, 8)] == [0, 0, 0, 1, 1, 1, 2]
+
+
+def test_routing_distillation_at_skipped_layers():
+    """routing_layers="predicted" (the default) adds, for each skipped layer l after the branch,
+    KL(slow routing at l || layer l's router on the fast state standing for l's input); checked
+    against a NumPy computation from the raw weights. Its gradient reaches the adapters and a step
+    against it lowers it; "visited" leaves it out."""
+    from m2r2_jax.m2r2 import losses as L
+
+    base, bp, mcfg, mp = _setup("mixtral", moe_fast_mlp="lowrank")  # 6 layers, visits 2, 4, 5
+    assert F.skipped_layer_states(base, mcfg) == ((3, 1),)
+    toks = jax.random.randint(jax.random.key(9), (2, 8), 0, base.vocab_size)
+    visited_loss, visited = L.distill_loss(base, mcfg, L.LossConfig(lambda_routing=2.0, routing_layers="visited"),
+                                           bp, mp, toks)
+    loss, m = L.distill_loss(base, mcfg, L.LossConfig(lambda_routing=2.0), bp, mp, toks)
+    assert float(m["routing_kl_skipped"]) > 0
+    assert float(m["routing_kl"]) == pytest.approx(float(visited["routing_kl"]), rel=1e-6)
+    assert float(loss) == pytest.approx(float(visited_loss) + 2.0 * float(m["routing_kl_skipped"]), rel=1e-5)
+
+    tf = F.train_forward(base, mcfg, bp, mp, toks)
+    g1 = np.asarray(tf.states[0], np.float64)  # g_1 stands for layer 3's input
+    scale = np.asarray(bp["layers"]["mlp_norm"]["scale"][3], np.float64)
+    kernel = np.asarray(bp["layers"]["mlp"]["router"]["kernel"][3], np.float64)
+    fast = (g1 / np.sqrt(np.mean(g1 * g1, -1, keepdims=True) + base.rms_eps) * scale) @ kernel
+    slow = np.asarray(tf.slow_router_logits[3], np.float64)
+
+    def log_softmax(x):
+        x = x - x.max(-1, keepdims=True)
+        return x - np.log(np.exp(x).sum(-1, keepdims=True))
+
+    want = np.mean(np.sum(np.exp(log_softmax(slow)) * (log_softmax(slow) - log_softmax(fast)), -1))
+    assert float(m["routing_kl_skipped"]) == pytest.approx(want, rel=1e-4)
+
+    def skipped_kl(p):
+        return L.distill_loss(base, mcfg, L.LossConfig(lambda_routing=1.0), bp, p, toks)[1]["routing_kl_skipped"]
+
+    g = jax.grad(skipped_kl)(mp)
+    assert float(sum(jnp.sum(x * x) for x in jax.tree.leaves(g["adapters"]))) > 0
+    norm = float(jnp.sqrt(sum(jnp.sum(x * x) for x in jax.tree.leaves(g))))
+    stepped = jax.tree.map(lambda p, d: p - 1e-3 / norm * d, mp, g)
+    assert float(skipped_kl(stepped)) < float(skipped_kl(mp))
+    with pytest.raises(ConfigError, match="routing_layers='all' is invalid"):
+        L.LossConfig(routing_layers="all").validate()
 
 
 @pytest.mark.parametrize("fast_mlp", ["lowrank", "none"])

@@ -78,6 +78,9 @@ def test_report_and_plots(setup, tmp_path):
         assert sp["all_resident"][plat] >= max(sp[r][plat] for r in LADDER[1:-1]) - 1e-9
         assert all(sp[r][plat] > 0 for r in LADDER[1:])
     assert rep["trace"]["trace_tokens_equal_reference"] and rep["trace"]["teacher_forced"] is False
+    load = rep["trace"]["expert_load"]
+    assert len(load["busiest_expert_load_per_layer"]) == cfg.n_layers
+    assert 1.0 <= load["busiest_expert_load"] <= load["collapsed"] == cfg.n_experts / cfg.n_experts_per_tok
     # the Belady rungs: no demand paging misses less than on_demand_belady, no rung beats the bound
     hr, t = rep["hit_rate"], rep["targets"]
     assert hr["on_demand_belady"] >= hr["on_demand_lru"] and hr["oracle_belady"] == 1.0

@@ -383,3 +383,14 @@ def test_engine_rejects_belady():
     with pytest.raises(ConfigError, match="simulator-only") as e:
         OffloadEngine(cfg, params, policy="belady")
     assert "\n" not in str(e.value) and "lru, predictive" in str(e.value)
+
+
+def test_expert_load_spans_even_to_collapsed():
+    """Busiest expert's share x E: a layer whose tokens all pick experts {0, 1} is collapsed (E / k);
+    one alternating between {0, 1} and {2, 3} is even (1)."""
+    from m2r2_jax.moe_offload.metrics import expert_load
+
+    true = np.array([[[0, 1], [0, 1]], [[0, 1], [2, 3]], [[1, 0], [0, 1]], [[0, 1], [3, 2]]])  # [N=4, L=2, k=2]
+    load = expert_load(RoutingTrace(2, 4, 2, true, {}, {}, {}).validate())
+    assert load["busiest_expert_load_per_layer"] == [2.0, 1.0]
+    assert load["busiest_expert_load"] == 1.5 and load["collapsed"] == 2.0 and load["even"] == 1.0
