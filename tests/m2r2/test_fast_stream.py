@@ -154,6 +154,24 @@ def test_distill_gradients_reach_only_m2r2_params(family):
     assert all(float(jnp.abs(x).max()) == 0 for x in jax.tree.leaves(gb))
 
 
+def _np_routing_kl(slow, fast) -> float:
+    """Mean over tokens of KL(softmax(slow) || softmax(fast)), in float64 NumPy."""
+    def log_softmax(x):
+        x = x - x.max(-1, keepdims=True)
+        return x - np.log(np.exp(x).sum(-1, keepdims=True))
+
+    return float(np.mean(np.sum(np.exp(log_softmax(slow)) * (log_softmax(slow) - log_softmax(fast)), -1)))
+
+
+def _assert_adapters_learn_it(term, mp):
+    """`term(params)`'s gradient reaches the adapters, and a small step against it lowers it."""
+    g = jax.grad(term)(mp)
+    assert float(sum(jnp.sum(x * x) for x in jax.tree.leaves(g["adapters"]))) > 0
+    norm = float(jnp.sqrt(sum(jnp.sum(x * x) for x in jax.tree.leaves(g))))
+    stepped = jax.tree.map(lambda p, d: p - 1e-3 / norm * d, mp, g)
+    assert float(term(stepped)) < float(term(mp))
+
+
 def test_routing_distillation_term():
     """loss.lambda_routing adds KL(slow routing || fast stream's own routing) at the visited layers;
     its gradient reaches the stream's parameters and a step against it lowers that KL."""
@@ -169,22 +187,9 @@ def test_routing_distillation_term():
     slow = np.asarray(tf.slow_router_logits)[list(F.visited_layers(base, mcfg))].astype(np.float64)
     fast = np.asarray(tf.moe_router_logits).astype(np.float64)
 
-    def log_softmax(x):
-        x = x - x.max(-1, keepdims=True)
-        return x - np.log(np.exp(x).sum(-1, keepdims=True))
-
-    want = np.mean(np.sum(np.exp(log_softmax(slow)) * (log_softmax(slow) - log_softmax(fast)), -1))  # uniform weights
-    assert float(on["routing_kl"]) == pytest.approx(want, rel=1e-4)
-
-    def routing_kl(p):
-        return L.distill_loss(base, mcfg, L.LossConfig(lambda_routing=1.0, routing_layers="visited"), bp, p,
-                              toks)[1]["routing_kl"]
-
-    g = jax.grad(routing_kl)(mp)
-    assert float(sum(jnp.sum(x * x) for x in jax.tree.leaves(g["adapters"]))) > 0
-    norm = float(jnp.sqrt(sum(jnp.sum(x * x) for x in jax.tree.leaves(g))))
-    stepped = jax.tree.map(lambda p, d: p - 1e-3 / norm * d, mp, g)
-    assert float(routing_kl(stepped)) < float(routing_kl(mp))
+    assert float(on["routing_kl"]) == pytest.approx(_np_routing_kl(slow, fast), rel=1e-4)  # uniform weights
+    visited_only = L.LossConfig(lambda_routing=1.0, routing_layers="visited")
+    _assert_adapters_learn_it(lambda p: L.distill_loss(base, mcfg, visited_only, bp, p, toks)[1]["routing_kl"], mp)
     with pytest.raises(ConfigError, match="lambda_routing"):
         L.LossConfig(lambda_routing=-1.0).validate()
 
@@ -223,21 +228,9 @@ def test_routing_distillation_at_skipped_layers():
     fast = (g1 / np.sqrt(np.mean(g1 * g1, -1, keepdims=True) + base.rms_eps) * scale) @ kernel
     slow = np.asarray(tf.slow_router_logits[3], np.float64)
 
-    def log_softmax(x):
-        x = x - x.max(-1, keepdims=True)
-        return x - np.log(np.exp(x).sum(-1, keepdims=True))
-
-    want = np.mean(np.sum(np.exp(log_softmax(slow)) * (log_softmax(slow) - log_softmax(fast)), -1))
-    assert float(m["routing_kl_skipped"]) == pytest.approx(want, rel=1e-4)
-
-    def skipped_kl(p):
-        return L.distill_loss(base, mcfg, L.LossConfig(lambda_routing=1.0), bp, p, toks)[1]["routing_kl_skipped"]
-
-    g = jax.grad(skipped_kl)(mp)
-    assert float(sum(jnp.sum(x * x) for x in jax.tree.leaves(g["adapters"]))) > 0
-    norm = float(jnp.sqrt(sum(jnp.sum(x * x) for x in jax.tree.leaves(g))))
-    stepped = jax.tree.map(lambda p, d: p - 1e-3 / norm * d, mp, g)
-    assert float(skipped_kl(stepped)) < float(skipped_kl(mp))
+    assert float(m["routing_kl_skipped"]) == pytest.approx(_np_routing_kl(slow, fast), rel=1e-4)
+    _assert_adapters_learn_it(lambda p: L.distill_loss(base, mcfg, L.LossConfig(lambda_routing=1.0), bp, p,
+                                                       toks)[1]["routing_kl_skipped"], mp)
     with pytest.raises(ConfigError, match="routing_layers='all' is invalid"):
         L.LossConfig(routing_layers="all").validate()
 
