@@ -356,7 +356,7 @@ The CLI equivalent of steps 3-4 is `m2r2 moe-bench --checkpoint MOE_CKPT --m2r2 
 # Parameters (the test suite replaces these with a reduced setting)
 WORKDIR = "runs/colab_moe"        # checkpoints, moe_report.json and plots
 PRETRAIN_STEPS = 120              # tiny MoE pre-training steps (fewer leave its routing on a few experts)
-DISTILL_STEPS = 30                # M2R2 stage 1
+DISTILL_STEPS = 90                # M2R2 stage 1 (the demo's; 30 predicts the experts less well)
 ROUTER_STEPS = 30                 # M2R2 stage 2
 BATCH_SIZE = 8
 SEQ_LEN = 128

@@ -74,7 +74,7 @@ class Budget:
 BUDGETS = {
     # ~15 minutes on 2 CPU cores
     "full": Budget(dense_steps=150, moe_steps=120, draft_steps=80, distill_steps=240, router_steps=30,
-                   moe_distill_steps=30, batch_size=8, seq_len=128, n_prompts=5, prompt_len=32,
+                   moe_distill_steps=90, batch_size=8, seq_len=128, n_prompts=5, prompt_len=32,
                    max_new_tokens=96, batch_sizes=(1, 4, 16), repeats=3, thresholds=(0.5, 0.7, 0.9),
                    align_batches=4, moe_prompts=3, gamma_candidates=(2, 4, 6), calibration_prompts=8,
                    context_prompts=32),
