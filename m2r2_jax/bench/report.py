@@ -162,7 +162,8 @@ def table(report: dict) -> str:
         load = moe.get("trace", {}).get("expert_load")
         if load:
             lines.append(f"  routing of the traced base: busiest expert {load['busiest_expert_load']:.2f} x an even "
-                         f"share (1 = balanced, {load['collapsed']:g} = every token picks the same experts)")
+                         f"share (1 = balanced, {load['collapsed']:g} = every token picks the same experts)"
+                         + ("  SKEWED: caches hit more than on a balance-trained MoE" if load.get("skewed") else ""))
         for p, v in moe.get("recall", {}).items():
             hr = moe.get("hit_rate", {}).get(p)
             lines.append(f"  {p:<12} recall {v if isinstance(v, str) else f'{v:.3f}'}"

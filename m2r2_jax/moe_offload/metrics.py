@@ -6,6 +6,8 @@ import numpy as np
 
 from m2r2_jax.moe_offload.trace import RoutingTrace
 
+SKEW_MIN_ASSIGNMENTS = 10  # per expert and layer, before `expert_load` calls a trace's routing skewed
+
 
 def recall_per_layer(trace: RoutingTrace, name: str, k: int | None = None) -> list:
     """Mean over tokens of |top-k guess ∩ true experts| / top_k, per layer (None: no guess)."""
@@ -62,9 +64,13 @@ def expert_load(trace: RoutingTrace) -> dict:
     busiest expert's share of the (token, top-k slot) assignments times E. 1 is an even split; E /
     top_k means every token picks the same experts. (Pre-training logs the same figure as
     `expert_load_max`.) A cache of 2 x top_k slots hits almost always on skewed routing, so a trace
-    far above 1 makes every offload policy look better than it would on a balanced MoE."""
+    far above 1 makes every offload policy look better than it would on a balanced MoE.
+    `skewed`: the mean is at least half way from even to collapsed, over enough assignments (10 per
+    expert and layer) for a few tokens' chance picks not to decide it."""
     E, k = trace.n_experts, trace.top_k
     per_layer = [float(np.bincount(trace.true[:, l].ravel(), minlength=E).max()) * E / (trace.n_tokens * k)
                  for l in range(trace.n_layers)]
-    return {"busiest_expert_load_per_layer": per_layer, "busiest_expert_load": float(np.mean(per_layer)),
-            "even": 1.0, "collapsed": E / k}
+    mean = float(np.mean(per_layer))
+    return {"busiest_expert_load_per_layer": per_layer, "busiest_expert_load": mean, "even": 1.0,
+            "collapsed": E / k,
+            "skewed": bool(mean >= (1 + E / k) / 2 and trace.n_tokens * k >= SKEW_MIN_ASSIGNMENTS * E)}

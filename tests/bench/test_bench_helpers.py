@@ -125,6 +125,13 @@ def test_table_moe_section():
     assert "m2r2_lfu gated" in text and "next_gate_lfu gated" in text and "1.10 @2" in text
     assert "m2r2 recall after the branch 0.86" in text and "pcie_gen4 0.93, nvlink_c2c never" in text
     assert "(a = 1/2/3): pcie_gen4 1.00/1.10/1.20, nvlink_c2c 0.90/1.30/1.40" in text
+    assert "routing of the traced base" not in text  # reports without the figure still print
+    moe["trace"] = {"expert_load": {"busiest_expert_load": 3.2, "collapsed": 4.0, "skewed": True}}
+    assert ("routing of the traced base: busiest expert 3.20 x an even share (1 = balanced, 4 = every token "
+            "picks the same experts)  SKEWED") in R.table({"moe": moe})
+    moe["trace"]["expert_load"].update(busiest_expert_load=1.49, skewed=False)
+    line = next(x for x in R.table({"moe": moe}).splitlines() if "routing of the traced base" in x)
+    assert "1.49 x an even share" in line and "SKEWED" not in line
 
 
 def test_budget_with_step_overrides():

@@ -161,6 +161,8 @@ def test_cli_writes_report_and_plots(setup, tmp_path):
                   "--noengine", "--shapes", "olmoe-1b-7b", "--platforms", "pcie_gen5"], tmp_path)
     assert r.returncode == 0, r.stderr[-2000:]
     assert "FRESH (untrained)" in r.stderr
+    assert json.loads(r.stdout)["busiest_expert_load"] >= 1.0
+    assert "routes most tokens to a few experts" not in r.stderr  # 2 tokens: too few to call it skewed
     rep = json.loads((out / "moe_report.json").read_text())
     assert rep["m2r2"]["fresh_untrained_params"] is True
     assert set(rep["simulated_speedup"]["m2r2"]) == {"pcie_gen5"}

@@ -394,3 +394,8 @@ def test_expert_load_spans_even_to_collapsed():
     load = expert_load(RoutingTrace(2, 4, 2, true, {}, {}, {}).validate())
     assert load["busiest_expert_load_per_layer"] == [2.0, 1.0]
     assert load["busiest_expert_load"] == 1.5 and load["collapsed"] == 2.0 and load["even"] == 1.0
+    assert not load["skewed"]  # 8 assignments per layer: too few to tell
+    many = np.tile(true, (5, 1, 1))  # 40 assignments per layer = 10 per expert
+    assert expert_load(RoutingTrace(2, 4, 2, many, {}, {}, {}).validate())["skewed"]
+    even = np.tile(true[:, 1:], (5, 2, 1))  # both layers alternate {0, 1} / {2, 3}
+    assert not expert_load(RoutingTrace(2, 4, 2, even, {}, {}, {}).validate())["skewed"]
