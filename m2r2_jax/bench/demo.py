@@ -275,7 +275,7 @@ def _run_demo(out: Path, budget_name: str, budget: Budget, force: bool, skip_moe
         texts = heldout_prompts(tok, budget.moe_prompts, budget.prompt_len + budget.max_new_tokens)
         moe = moe_report(moe_cfg_, moe_params, mm_cfg, mm_params, [t[: budget.prompt_len] for t in texts],
                          max_new_tokens=budget.max_new_tokens,
-                         continuations=[t[budget.prompt_len:] for t in texts])
+                         continuations=[t[budget.prompt_len:] for t in texts], bar="moe")
         report["moe"] = moe
         write_plots(moe, out)
         timings["moe_s"] = time.time() - t0

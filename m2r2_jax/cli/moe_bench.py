@@ -124,7 +124,7 @@ def main(argv):
                         capacity=FLAGS.capacity or None, shapes=FLAGS.shapes, platforms=FLAGS.platforms,
                         run_real_engine=FLAGS.engine, fresh_m2r2=fresh, continuations=continuations,
                         calibration=calibration, calibrate_m2r2=FLAGS.calibrate_m2r2,
-                        m2r2_recall_tolerance=FLAGS.m2r2_recall_tolerance)
+                        m2r2_recall_tolerance=FLAGS.m2r2_recall_tolerance, bar="moe-bench")
     report["inputs"] = {"checkpoint": str(FLAGS.checkpoint), "m2r2": FLAGS.m2r2, "prompts": str(FLAGS.prompts),
                         "forced_prompt_len": FLAGS.forced_prompt_len, "calibration": FLAGS.calibration}
     load = report["trace"]["expert_load"]

@@ -45,10 +45,47 @@ CONFIDENCE_GRID = (0.0, 1.1, 1.25, 1.5, 2.0)
 GATED_RUNGS = ("next_gate", "next_gate_lfu", "m2r2", "m2r2_lfu")
 BLEND_SHARES = (0.0, 0.25, 0.5, 0.75, 1.0)  # report["recall_needed"]: share of m2r2's guesses set to the truth
 RHO_GRID = (0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0)
+# report["bandwidth_capacity_sweep"]: link bandwidths (GB/s), and at most this many cache sizes
+# (`sweep_capacities`): every size from top_k to n_experts is a full ladder per bandwidth, which for
+# a 64-expert layer took most of moe-bench's time
+SWEEP_BANDWIDTHS = (2.0, 4.0, 25.0, 50.0, 450.0)
+SWEEP_CAPACITY_POINTS = 12
 # report["chunked_link"]: the ladder again on a link that moves an expert in this many pieces, so a
 # miss overtakes a prefetch already on the link at the next piece (simulator.Link); the real engine
 # copies whole experts (one device_put each), the ladder's link.
 LINK_CHUNKS = 4
+
+
+def sweep_capacities(top_k: int, n_experts: int, capacity: int, points: int = SWEEP_CAPACITY_POINTS) -> list:
+    """Cache sizes for the bandwidth x capacity sweep: every size from top_k to n_experts when there
+    are at most `points`, else `points` sizes spread evenly over that range, always with the
+    benchmarked `capacity` and 2 x top_k among them."""
+    if n_experts - top_k + 1 <= points:
+        return list(range(top_k, n_experts + 1))
+    spread = np.rint(np.linspace(top_k, n_experts, points)).astype(int).tolist()
+    return sorted(set(spread) | {capacity, min(2 * top_k, n_experts)})
+
+
+class _StageBar:
+    """A progress bar over named stages, each entered by calling the bar with its name (the one
+    before it is then done). Off when `name` is empty."""
+
+    def __init__(self, n_stages: int, name: str):
+        from tqdm.auto import tqdm
+
+        self._bar = tqdm(total=n_stages, desc=name, disable=not name, leave=False, unit="stage")
+        self._open = False
+
+    def __call__(self, stage: str) -> None:
+        if self._open:
+            self._bar.update()
+        self._open = True
+        self._bar.set_postfix_str(stage)
+
+    def close(self) -> None:
+        if self._open:
+            self._bar.update()
+        self._bar.close()
 
 
 def adapter_overhead(shape: P.ModelShape, base_cfg, mcfg) -> float:
@@ -236,7 +273,7 @@ def moe_report(base_cfg, base_params, mcfg, m2r2_params, prompts_tokens: Sequenc
                fresh_m2r2: bool = False, lookaheads: Sequence[int] = (1, 2, 3, 4),
                continuations: Optional[Sequence[Sequence[int]]] = None,
                calibration: Optional[Sequence[Sequence[int]]] = None, calibrate_m2r2: bool = True,
-               m2r2_recall_tolerance: float = 0.0) -> dict:
+               m2r2_recall_tolerance: float = 0.0, bar: str = "") -> dict:
     """Record routing from real greedy decoding, score the predictors, replay the trace through
     the cost model of named real models on named platforms, and run the real engine.
     `continuations` (one per prompt): record the trace teacher-forced on these tokens instead of
@@ -244,6 +281,9 @@ def moe_report(base_cfg, base_params, mcfg, m2r2_params, prompts_tokens: Sequenc
     `calibrate_m2r2`: choose the m2r2 predictor's source per layer (`choose_m2r2_sources`) on
     `calibration` text, by default the prompts themselves (prefill tokens, never part of the trace),
     with the shortest fast pass whose calibration recall is within `m2r2_recall_tolerance` of the best.
+
+    With `bar`, a progress bar of that name steps through the stages (trace, each simulation sweep,
+    the real engine).
 
     Returns a dict with (at least) `recall`, `hit_rate` and `simulated_speedup` (per predictor,
     per platform, vs on-demand LRU with the cache at `capacity` = 2 x active experts)."""
@@ -258,13 +298,16 @@ def moe_report(base_cfg, base_params, mcfg, m2r2_params, prompts_tokens: Sequenc
     shapes = [P.get_shape(s) for s in shapes]
     plats = [P.get_platform(p) for p in platforms]
 
+    stage = _StageBar(7 + int(calibrate_m2r2) + int(run_real_engine), bar)
     visited = tuple(visited_layers(base_cfg, mcfg))
     default_sources, _ = m2r2_state_plan(base_cfg.n_layers, mcfg.branch_layer, visited)
     sources, source_recall = default_sources, None
     calibration = prompts_tokens if calibration is None else calibration
     if calibrate_m2r2:
+        stage("calibrating the m2r2 sources")
         sources, source_recall = choose_m2r2_sources(base_cfg, base_params, mcfg, m2r2_params, calibration,
                                                      recall_tolerance=m2r2_recall_tolerance)
+    stage("recording the routing trace")
     trace, generated = record_trace(base_cfg, base_params, mcfg, m2r2_params, prompts_tokens, max_new_tokens, lookaheads,
                                     forced=continuations, m2r2_sources=sources)
     predictors = ("next_gate", "m2r2", "oracle")
@@ -273,6 +316,7 @@ def moe_report(base_cfg, base_params, mcfg, m2r2_params, prompts_tokens: Sequenc
     m2r2_layers = [l for l in range(base_cfg.n_layers) if l >= mcfg.branch_layer]
     recall_after_branch = {p: mean_recall(per_layer[p], m2r2_layers) for p in predictors}
 
+    stage("ladders")
     sims, speedup, hit_rate, confidence_sweep, main_costs = {}, {}, {}, {}, {}
     for shape in shapes:
         ovh = adapter_overhead(shape, base_cfg, mcfg)
@@ -291,8 +335,11 @@ def moe_report(base_cfg, base_params, mcfg, m2r2_params, prompts_tokens: Sequenc
                     for rung in GATED_RUNGS}
     main = shapes[0].name
     main_ladders = {pl: sims[main][pl]["ladder"] for pl in main_costs}
+    stage("recall needed")
     needed = recall_needed(trace, main_costs, main_ladders, capacity, m2r2_layers)
+    stage("chunked link")
     chunked = chunked_link(trace, main_costs, main_ladders, capacity)
+    stage("lead needed")
     lead = lead_needed(trace, main_costs, main_ladders, capacity)
     for rung in LADDER[1:]:
         speedup[rung] = {pl: sims[main][pl]["ladder"][rung]["speedup_vs_on_demand_lru"] for pl in sims[main]}
@@ -301,6 +348,7 @@ def moe_report(base_cfg, base_params, mcfg, m2r2_params, prompts_tokens: Sequenc
         hit_rate[rung] = any_costs[rung]["hit_rate"]
 
     # speedup as a function of rho (vary the link; compute fixed at the first platform's device)
+    stage("rho sweep")
     rho_sweep = {}
     ovh = adapter_overhead(shapes[0], base_cfg, mcfg)
     ref_costs = P.platform_costs(shapes[0], plats[0], mcfg.moe_fast_mlp, ovh, mcfg.moe_lowrank_dim)
@@ -309,11 +357,11 @@ def moe_report(base_cfg, base_params, mcfg, m2r2_params, prompts_tokens: Sequenc
         c = P.platform_costs(shapes[0], plats[0], mcfg.moe_fast_mlp, ovh, mcfg.moe_lowrank_dim, link_gbps=bw)
         lad = simulate_ladder(trace, c, capacity)
         rho_sweep[str(rho)] = {r: lad[r]["speedup_vs_on_demand_lru"] for r in LADDER}
-    # link bandwidth x cache size sweep
+    stage("bandwidth x capacity sweep")
     bw_sweep = []
-    for bw in (2.0, 4.0, 25.0, 50.0, 450.0):
+    for bw in SWEEP_BANDWIDTHS:
         c = P.platform_costs(shapes[0], plats[0], mcfg.moe_fast_mlp, ovh, mcfg.moe_lowrank_dim, link_gbps=bw)
-        for cap in range(k, E + 1):
+        for cap in sweep_capacities(k, E, capacity):
             lad = simulate_ladder(trace, c, cap)
             bw_sweep.append({"link_gbps": bw, "capacity": cap, "rho": c.rho,
                              **{f"{r}_speedup": lad[r]["speedup_vs_on_demand_lru"] for r in LADDER},
@@ -391,6 +439,7 @@ def moe_report(base_cfg, base_params, mcfg, m2r2_params, prompts_tokens: Sequenc
         report["m2r2"]["note"] = ("fresh (untrained) M2R2 parameters: the fast stream is only a rate-vector "
                                   "extrapolation of the base layers, so its predictions may be weak")
     if run_real_engine:
+        stage("real engine")
         cal = calibrate_engine(base_cfg, base_params)
         half = cal["layer_compute_s"] / 2  # attention vs experts split: assumed even (not measured apart)
         if mcfg.moe_fast_mlp == "experts":
@@ -406,6 +455,7 @@ def moe_report(base_cfg, base_params, mcfg, m2r2_params, prompts_tokens: Sequenc
                             "calibration": cal,
                             "ladder": run_engine(base_cfg, base_params, mcfg, m2r2_params, prompts_tokens,
                                                  max_new_tokens, capacity, reference, m2r2_sources=sources)}
+    stage.close()
     report["targets"] = targets(report)
     return report
 

@@ -17,7 +17,8 @@ from m2r2_jax.models.checkpoint import save_model
 from m2r2_jax.moe_offload.metrics import recall_per_layer
 from m2r2_jax.moe_offload.record import record_trace
 from m2r2_jax.moe_offload.predictors import fast_steps_needed
-from m2r2_jax.moe_offload.report import LADDER, LINK_CHUNKS, SIMULATOR_ONLY, moe_report, run_engine, write_plots
+from m2r2_jax.moe_offload.report import (LADDER, LINK_CHUNKS, SIMULATOR_ONLY, SWEEP_BANDWIDTHS, moe_report, run_engine,
+                                         sweep_capacities, write_plots)
 
 
 @pytest.fixture(scope="module")
@@ -65,11 +66,28 @@ def test_teacher_forced_trace_follows_the_given_tokens(setup):
         record_trace(cfg, params, mcfg, mp, PROMPTS, NEW, forced=cont)
 
 
-def test_report_and_plots(setup, tmp_path):
+def test_sweep_capacities_cover_every_size_or_a_spread_with_the_benchmarked_one():
+    assert sweep_capacities(2, 8, 4) == [2, 3, 4, 5, 6, 7, 8]  # few sizes: all of them
+    assert sweep_capacities(2, 13, 4) == list(range(2, 14))  # exactly `points` sizes
+    # OLMoE's 64 experts, top 8: 12 sizes spread from 8 to 64, plus 2 x top_k = 16
+    assert sweep_capacities(8, 64, 16) == [8, 13, 16, 18, 23, 28, 33, 39, 44, 49, 54, 59, 64]
+    assert 20 in sweep_capacities(8, 64, 20) and 16 in sweep_capacities(8, 64, 20)
+    assert sweep_capacities(4, 60, 8, points=3) == [4, 8, 32, 60]
+
+
+def test_report_and_plots(setup, tmp_path, capsys):
     cfg, params, mcfg, mp, _, _, _ = setup
     rep = moe_report(cfg, params, mcfg, mp, PROMPTS[:1], max_new_tokens=NEW, shapes=("mixtral-8x7b",),
                      platforms=("pcie_gen4", "nvlink_c2c"), run_real_engine=False, fresh_m2r2=True,
-                     lookaheads=(1, 2))
+                     lookaheads=(1, 2), bar="moe")
+    shown = capsys.readouterr().err  # the progress bar names each stage as it enters it
+    for stage in ("calibrating the m2r2 sources", "recording the routing trace", "ladders", "recall needed",
+                  "chunked link", "lead needed", "rho sweep", "bandwidth x capacity sweep"):
+        assert stage in shown
+    assert "real engine" not in shown and "8/8" in shown
+    k, E = cfg.n_experts_per_tok, cfg.n_experts
+    assert [(r["link_gbps"], r["capacity"]) for r in rep["bandwidth_capacity_sweep"]] == [
+        (bw, c) for bw in SWEEP_BANDWIDTHS for c in sweep_capacities(k, E, rep["capacity"])]
     for key in ("recall", "hit_rate", "simulated_speedup"):
         assert set(rep[key]) >= {"next_gate", "m2r2"}
     assert rep["recall"]["oracle"] == 1.0 and rep["hit_rate"]["oracle"] == 1.0
