@@ -68,12 +68,14 @@ def sweep_capacities(top_k: int, n_experts: int, capacity: int, points: int = SW
 
 class _StageBar:
     """A progress bar over named stages, each entered by calling the bar with its name (the one
-    before it is then done). Off when `name` is empty."""
+    before it is then done). Off when `name` is empty. Every step is drawn (no minimum interval
+    between redraws): there are only a handful, and a quick stage would otherwise go unseen."""
 
     def __init__(self, n_stages: int, name: str):
         from tqdm.auto import tqdm
 
-        self._bar = tqdm(total=n_stages, desc=name, disable=not name, leave=False, unit="stage")
+        self._bar = tqdm(total=n_stages, desc=name, disable=not name, leave=False, unit="stage",
+                         mininterval=0, miniters=1)
         self._open = False
 
     def __call__(self, stage: str) -> None:

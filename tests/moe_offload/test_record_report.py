@@ -17,8 +17,8 @@ from m2r2_jax.models.checkpoint import save_model
 from m2r2_jax.moe_offload.metrics import recall_per_layer
 from m2r2_jax.moe_offload.record import record_trace
 from m2r2_jax.moe_offload.predictors import fast_steps_needed
-from m2r2_jax.moe_offload.report import (LADDER, LINK_CHUNKS, SIMULATOR_ONLY, SWEEP_BANDWIDTHS, moe_report, run_engine,
-                                         sweep_capacities, write_plots)
+from m2r2_jax.moe_offload.report import (LADDER, LINK_CHUNKS, SIMULATOR_ONLY, SWEEP_BANDWIDTHS, _StageBar, moe_report,
+                                         run_engine, sweep_capacities, write_plots)
 
 
 @pytest.fixture(scope="module")
@@ -73,6 +73,19 @@ def test_sweep_capacities_cover_every_size_or_a_spread_with_the_benchmarked_one(
     assert sweep_capacities(8, 64, 16) == [8, 13, 16, 18, 23, 28, 33, 39, 44, 49, 54, 59, 64]
     assert 20 in sweep_capacities(8, 64, 20) and 16 in sweep_capacities(8, 64, 20)
     assert sweep_capacities(4, 60, 8, points=3) == [4, 8, 32, 60]
+
+
+def test_stage_bar_draws_every_stage_even_quick_ones(capsys):
+    bar = _StageBar(3, "x")
+    for stage in ("a", "b", "c"):  # microseconds apart: a redraw interval would hide the last step
+        bar(stage)
+    bar.close()
+    shown = capsys.readouterr().err
+    assert "1/3" in shown and "2/3" in shown and "3/3" in shown and "c]" in shown
+    silent = _StageBar(2, "")
+    silent("a")
+    silent.close()
+    assert capsys.readouterr().err == ""
 
 
 def test_report_and_plots(setup, tmp_path, capsys):
