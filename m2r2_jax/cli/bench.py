@@ -20,6 +20,8 @@ flags.DEFINE_string("m2r2", None, "M2R2 checkpoint (omit: fresh M2R2 parameters,
 flags.DEFINE_string("draft_checkpoint", None, "draft model for two_model (same vocabulary)")
 flags.DEFINE_string("prompts", "mt_bench", "prompt set name or a jsonl file")
 flags.DEFINE_integer("n_prompts", 16, "first N prompts of the set", lower_bound=1)
+flags.DEFINE_string("chat_template", "auto", "text prompts: auto (rendered as a user turn with the checkpoint's chat "
+                    "template when it has one), none (raw text), or a template file (.jinja or tokenizer_config.json)")
 flags.DEFINE_integer("max_prompt_tokens", 256, "prompts are cut to their last N tokens", lower_bound=1)
 flags.DEFINE_integer("max_new_tokens", 128, "tokens generated per answer", lower_bound=1)
 flags.DEFINE_string("gamma", "4", "draft length: N for every method, METHOD=N,... per method, or 'auto': each "
@@ -97,8 +99,11 @@ def main(argv):
         mcfg.validate()
     draft = load_model(FLAGS.draft_checkpoint) if FLAGS.draft_checkpoint else None
     if any(isinstance(p, str) for p in prompts):
+        from m2r2_jax.data.chat_template import encode_prompt, resolve_chat_template
+
         tok = required_tokenizer(FLAGS.checkpoint, "to encode text prompts with")
-        prompts = [tok.encode(p) if isinstance(p, str) else p for p in prompts]
+        template = resolve_chat_template(tok, FLAGS.chat_template)
+        prompts = [encode_prompt(tok, p, template) if isinstance(p, str) else p for p in prompts]
     longest_draft = max(candidates) if gamma == "auto" else max(gamma.values()) if isinstance(gamma, dict) else gamma
     limit = min(FLAGS.max_prompt_tokens, base_cfg.max_seq_len - FLAGS.max_new_tokens - longest_draft - 1)
     if limit < 1:

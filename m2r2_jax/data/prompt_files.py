@@ -47,12 +47,15 @@ def _prompt_of(where: str, line: str) -> Prompt:
     return value
 
 
-def read_prompt_file(path, tokenizer=None, *, encode: bool = True, max_prompts: Optional[int] = None):
+def read_prompt_file(path, tokenizer=None, *, encode: bool = True, max_prompts: Optional[int] = None,
+                     chat_template: Optional[str] = None):
     """(prompts, where): the file's prompts and a "FILE:LINE" label for each.
 
     With `encode` (default) every prompt comes back as token ids: text is encoded with
-    `tokenizer`, and a text prompt without one is an error. With `encode=False` text prompts stay
-    strings (the caller tokenizes later). `max_prompts` stops after that many."""
+    `tokenizer` (rendered as a user turn with `chat_template` when given, see
+    `chat_template.encode_prompt`), and a text prompt without one is an error. With
+    `encode=False` text prompts stay strings (the caller tokenizes later). `max_prompts` stops
+    after that many. Token prompts are taken as they are."""
     prompts, where_all = [], []
     for where, line in _lines(path):
         prompt = _prompt_of(where, line)
@@ -60,7 +63,9 @@ def read_prompt_file(path, tokenizer=None, *, encode: bool = True, max_prompts: 
             if tokenizer is None:
                 raise DataError(f"{where}: a text prompt needs a tokenizer, but the checkpoint has none "
                                 "(give \"tokens\")")
-            prompt = tokenizer.encode(prompt)
+            from m2r2_jax.data.chat_template import encode_prompt
+
+            prompt = encode_prompt(tokenizer, prompt, chat_template)
             if not prompt:
                 raise DataError(f"{where}: the prompt encodes to no tokens")
         prompts.append(prompt)

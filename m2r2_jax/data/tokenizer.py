@@ -3,6 +3,10 @@
     tok = load_tokenizer(path_or_dir)      # picks the backend by file
     ids = tok.encode(text); text = tok.decode(ids)
     tok.vocab_size, tok.bos_id, tok.eos_id, tok.pad_id   (an id is None when the tokenizer has none)
+    tok.eos_ids          every id that ends a generation (generation_config.json's eos_token_id,
+                         an int or a list, plus the tokenizer's eos token)
+    tok.chat_template    the model's chat template (tokenizer_config.json or chat_template.jinja), or None
+    tok.special_tokens   {"bos_token": "<s>", ...}: the strings a chat template sees
 
 `train_sentencepiece(text, vocab_size, out_path)` trains the project's own tokenizer on a corpus:
 byte-level BPE with byte fallback (every string round-trips), no text normalisation, "\\n" as a
@@ -61,6 +65,24 @@ class Tokenizer(abc.ABC):
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
         return [self.encode(t) for t in texts]
 
+    @property
+    def eos_ids(self) -> tuple[int, ...]:
+        """Every id that ends a generation (sorted)."""
+        return () if self.eos_id is None else (self.eos_id,)
+
+    @property
+    def chat_template(self) -> Optional[str]:
+        return None
+
+    @property
+    def add_bos(self) -> bool:
+        """Whether the model expects BOS before a raw (untemplated) prompt."""
+        return False
+
+    @property
+    def special_tokens(self) -> dict:
+        return {}
+
 
 class SentencePieceTokenizer(Tokenizer):
     def __init__(self, path):
@@ -111,9 +133,24 @@ _HF_SPECIAL = {
 }
 
 
+def _json_beside(path: Path, name: str) -> dict:
+    """A JSON object file next to the tokenizer file ({} when absent)."""
+    p = path.parent / name
+    if not p.is_file():
+        return {}
+    try:
+        data = json.loads(p.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise DataError(f"{p} is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise DataError(f"{p} is not a JSON object")
+    return data
+
+
 class HFTokenizer(Tokenizer):
-    """A Hugging Face `tokenizers` tokenizer.json. Special tokens come from a tokenizer_config.json
-    beside it when present, else from the usual token names."""
+    """A Hugging Face `tokenizers` tokenizer.json. Special tokens and the chat template come from a
+    tokenizer_config.json beside it when present (else the usual token names), the stop ids from a
+    generation_config.json beside it."""
 
     def __init__(self, path):
         from tokenizers import Tokenizer as _Tok
@@ -123,27 +160,66 @@ class HFTokenizer(Tokenizer):
             self._tok = _Tok.from_file(str(self.path))
         except Exception as e:  # tokenizers raises a bare Exception for malformed files
             raise DataError(f"{self.path} is not a tokenizers JSON file: {str(e).splitlines()[0][:200]}") from None
+        self._config = _json_beside(self.path, "tokenizer_config.json")
         self._special = self._find_special()
+        self._eos_ids = self._find_eos_ids()
+
+    def _token_string(self, kind: str) -> Optional[str]:
+        tok = self._config.get(f"{kind}_token")
+        if isinstance(tok, dict):
+            tok = tok.get("content")
+        return tok if isinstance(tok, str) else None
 
     def _find_special(self) -> dict:
         named = {}
-        cfg_path = self.path.parent / "tokenizer_config.json"
-        if cfg_path.is_file():
-            try:
-                cfg = json.loads(cfg_path.read_text())
-            except json.JSONDecodeError as e:
-                raise DataError(f"{cfg_path} is not valid JSON: {e}") from None
-            for kind in ("bos", "eos", "pad"):
-                tok = cfg.get(f"{kind}_token")
-                if isinstance(tok, dict):
-                    tok = tok.get("content")
-                if isinstance(tok, str):
-                    named[kind] = self._tok.token_to_id(tok)
+        for kind in ("bos", "eos", "pad"):
+            tok = self._token_string(kind)
+            if tok is not None:
+                named[kind] = self._tok.token_to_id(tok)
         for kind, names in _HF_SPECIAL.items():
             if named.get(kind) is None:
                 ids = [self._tok.token_to_id(n) for n in names]
                 named[kind] = next((i for i in ids if i is not None), None)
         return named
+
+    def _find_eos_ids(self) -> tuple[int, ...]:
+        gen = _json_beside(self.path, "generation_config.json")
+        raw = gen.get("eos_token_id")
+        ids = set() if raw is None else set(raw if isinstance(raw, list) else [raw])
+        if any(isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < self.vocab_size for i in ids):
+            raise DataError(f"{self.path.parent / 'generation_config.json'}: eos_token_id={raw!r} is invalid: "
+                            f"expected ids in [0, {self.vocab_size})")
+        if self._special["eos"] is not None:
+            ids.add(self._special["eos"])
+        return tuple(sorted(ids))
+
+    @property
+    def eos_ids(self) -> tuple[int, ...]:
+        return self._eos_ids
+
+    @property
+    def chat_template(self) -> Optional[str]:
+        jinja = self.path.parent / "chat_template.jinja"
+        if jinja.is_file():
+            return jinja.read_text(encoding="utf-8")
+        t = self._config.get("chat_template")
+        if isinstance(t, list):  # named templates: the default one
+            t = next((x.get("template") for x in t if isinstance(x, dict) and x.get("name") == "default"), None)
+        return t if isinstance(t, str) and t.strip() else None
+
+    @property
+    def add_bos(self) -> bool:
+        return bool(self._config.get("add_bos_token", False)) and self.bos_id is not None
+
+    @property
+    def special_tokens(self) -> dict:
+        out = {}
+        for kind in ("bos", "eos", "unk", "pad"):
+            tok = self._token_string(kind)
+            if tok is None and kind != "unk" and self._special.get(kind) is not None:
+                tok = self._tok.id_to_token(self._special[kind])
+            out[f"{kind}_token"] = tok
+        return out
 
     @property
     def vocab_size(self) -> int:

@@ -19,14 +19,15 @@ a call. Sequence i draws its randomness from `fold_in(key(seed), line_numbers[i]
 so results do not depend on the batch size or on the other prompts.
 
 Per sequence the result holds: `tokens` (generated ids, the first from the prefill, stopping after
-EOS or at max_new_tokens), `accepted` (speculative methods: per verification round, accepted drafts
-+ 1 -- the tokens one verification produced before EOS/length truncation; empty otherwise), `rounds`
-(verification rounds; decoding steps after the prefill for ar and early exit), `target_layers`
-(base-model layers run per token, summed: layer x token evaluations after the prefill; a verify
-pass over G+1 positions counts (G+1) x N less the shared layers a self-drafter already ran for G
-of them, `speculative.verify_layers`), `draft_layers` (drafter layer-equivalents summed over
-draft steps: E per step for distance_spec, `draft_cost_layers` for M2R2, the draft model's own
-layer count for two_model; fast steps for m2r2_exit), and `layers_per_token`.
+the first of the `eos_ids` stop tokens or at max_new_tokens), `accepted` (speculative methods: per
+verification round, accepted drafts + 1 -- the tokens one verification produced before EOS/length
+truncation; empty otherwise), `rounds` (verification rounds; decoding steps after the prefill for
+ar and early exit), `target_layers` (base-model layers run per token, summed: layer x token
+evaluations after the prefill; a verify pass over G+1 positions counts (G+1) x N less the shared
+layers a self-drafter already ran for G of them, `speculative.verify_layers`), `draft_layers`
+(drafter layer-equivalents summed over draft steps: E per step for distance_spec,
+`draft_cost_layers` for M2R2, the draft model's own layer count for two_model; fast steps for
+m2r2_exit), and `layers_per_token`.
 
 For benchmarks: `Engine` (from `build_engine`) exposes the jitted `prefill`, `draft_round` and
 `verify` pieces so draft and verify can be timed separately, and `ideal_speedup(...)` gives the
@@ -37,7 +38,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence, Union
 
 import jax
 import jax.numpy as jnp
@@ -60,7 +61,6 @@ KV_MISSING = ("propagate", "deferred")
 LAYER_LOOPS = ("auto", "scan", "unrolled")
 UNROLLABLE_METHODS = ("ar",) + SPEC_METHODS  # the methods the unrolled layer loop serves
 DECIDERS = ("confidence", "saturation")
-NO_EOS = -1
 
 
 @dataclasses.dataclass
@@ -96,7 +96,7 @@ class EngineSpec:
     max_new: int
     gamma: int = 1
     dynamic: bool = False
-    eos_id: int = NO_EOS
+    eos_ids: tuple[int, ...] = ()  # stop after any of these tokens (sorted, unique); (): never
     drafter: Any = None  # speculative drafters (speculative.py) or the early-exit runner
     accept_fn: Optional[Callable] = None  # override of the rejection rule (tests of the tests)
     sharding: Any = None  # a sharding.ShardingPlan (e.g. the specdec preset), or None: one device
@@ -111,11 +111,11 @@ class EngineSpec:
 
 def _round_fn(spec: EngineSpec, params, tau):
     if spec.method == "ar":
-        return functools.partial(ar.ar_round, spec.cfg, spec.sampling, spec.max_new, spec.eos_id, params["base"])
+        return functools.partial(ar.ar_round, spec.cfg, spec.sampling, spec.max_new, spec.eos_ids, params["base"])
     if spec.method in SPEC_METHODS:
         return functools.partial(speculative.spec_round, spec.cfg, spec.drafter, spec.sampling, spec.gamma,
-                                 spec.dynamic, spec.max_new, spec.eos_id, spec.accept_fn, params, tau)
-    return functools.partial(early_exit.exit_round, spec.drafter, spec.sampling, spec.max_new, spec.eos_id,
+                                 spec.dynamic, spec.max_new, spec.eos_ids, spec.accept_fn, params, tau)
+    return functools.partial(early_exit.exit_round, spec.drafter, spec.sampling, spec.max_new, spec.eos_ids,
                              params, tau)
 
 
@@ -131,7 +131,7 @@ def _prefill(spec: EngineSpec, params, prompts, lengths, keys, valid) -> GenStat
     elif spec.method in EXIT_METHODS:
         extra = spec.drafter.init_extra(b, cache_len)
     return prefill(spec.cfg, params["base"], prompts, lengths, keys, valid, spec.sampling, max_new=spec.max_new,
-                   commit_width=spec.commit_width, cache_len=cache_len, eos_id=spec.eos_id, dstate=dstate,
+                   commit_width=spec.commit_width, cache_len=cache_len, eos_ids=spec.eos_ids, dstate=dstate,
                    extra=extra)
 
 
@@ -266,6 +266,23 @@ def default_m2r2_config(cfg: ModelConfig):
     return mcfg.validate(cfg)
 
 
+def check_eos_ids(eos_ids, vocab_size: int) -> tuple[int, ...]:
+    """Stop ids as a sorted tuple of unique ints (hashable: they sit in the static EngineSpec and
+    unroll to one compare each). None, one int or a sequence of ints, each in [0, vocab_size); bools
+    and floats are refused rather than coerced (True or 2.0 is a mistake, not a token id)."""
+    if eos_ids is None:
+        return ()
+    if isinstance(eos_ids, np.ndarray):  # numpy ints become Python ints, floats stay floats (refused)
+        eos_ids = eos_ids.tolist()
+    ids = [eos_ids] if isinstance(eos_ids, (int, np.integer)) else eos_ids
+    if isinstance(ids, (str, bytes)) or not isinstance(ids, (Sequence, set, frozenset)):
+        raise ConfigError(f"eos_ids={eos_ids!r} is invalid: expected None, a token id or a sequence of token ids")
+    for e in ids:
+        if isinstance(e, (bool, np.bool_)) or not isinstance(e, (int, np.integer)) or not (0 <= e < vocab_size):
+            raise ConfigError(f"eos_ids has {e!r}, which is not a token id: expected ints in [0, {vocab_size})")
+    return tuple(sorted({int(e) for e in ids}))
+
+
 def distance_exit_layer(cfg: ModelConfig, mcfg) -> int:
     """E for distance_spec: the number of slow layers costing what one M2R2 draft costs."""
     from m2r2_jax.m2r2.fast_stream import draft_cost_layers
@@ -291,7 +308,7 @@ def build_engine(
     top_p: float = 1.0,
     gamma: int = 4,
     draft_length: str = "fixed",
-    eos_id: Optional[int] = None,
+    eos_ids: Union[None, int, Sequence[int]] = None,
     m2r2=None,
     draft=None,
     exit_layer: Optional[int] = None,
@@ -316,12 +333,14 @@ def build_engine(
     `layer_loop`: "scan" (a `lax.scan` over the stacked layers), "unrolled" (the base's and the
     draft model's layers unstacked, `transformer.unstack_layers`, and every layer loop unrolled:
     faster one-token steps on CPU, longer compiles; ar and the speculative methods, no sharding
-    plan) or "auto" (`resolve_layer_loop`). Tokens are the same either way."""
+    plan) or "auto" (`resolve_layer_loop`). Tokens are the same either way.
+    `eos_ids`: stop a sequence after the first token that is any of these ids (`check_eos_ids`)."""
     if method not in METHODS:
         raise ConfigError(f"method={method!r} is invalid: expected one of {', '.join(METHODS)}")
     if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens <= 0:
         raise ConfigError(f"max_new_tokens={max_new_tokens!r} is invalid: expected a positive integer")
     sampling = Sampling(float(temperature), float(top_p)).validate()
+    eos_ids = check_eos_ids(eos_ids, cfg.vocab_size)
     if method in SPEC_METHODS and (not isinstance(gamma, (int, np.integer)) or gamma < 1):
         raise ConfigError(f"gamma={gamma!r} is invalid: expected an integer >= 1")
     if draft_length not in DRAFT_LENGTHS:
@@ -379,8 +398,7 @@ def build_engine(
     spec = EngineSpec(method=method, cfg=cfg, sampling=sampling, max_new=int(max_new_tokens),
                       gamma=int(gamma) if method in SPEC_METHODS else 1,
                       dynamic=(draft_length == "dynamic" and method in SPEC_METHODS),
-                      eos_id=NO_EOS if eos_id is None else int(eos_id), drafter=drafter, accept_fn=accept_fn,
-                      sharding=plan)
+                      eos_ids=eos_ids, drafter=drafter, accept_fn=accept_fn, sharding=plan)
     if plan is None:
         return Engine(spec, params)
     from m2r2_jax.sharding.params import param_shardings, put_global
@@ -530,7 +548,7 @@ def generate(
     gamma: int = 4,
     draft_length: str = "fixed",
     tau: float = 0.5,
-    eos_id: Optional[int] = None,
+    eos_ids: Union[None, int, Sequence[int]] = None,
     m2r2=None,
     draft=None,
     exit_layer: Optional[int] = None,
@@ -546,12 +564,13 @@ def generate(
     m2r2: (M2R2Config, M2R2 params) for m2r2_spec / m2r2_exit / distance_spec's E (default: a fresh
     `init_m2r2_params` with the default config, which is still lossless for m2r2_spec).
     draft: (ModelConfig, params) of the two_model draft model. tau: the router / decider threshold
-    (dynamic draft length and early exit). eos_id: stop a sequence after this token (None: never).
+    (dynamic draft length and early exit). eos_ids: stop a sequence after the first token that is any
+    of these ids (one int or a sequence of ints; None or empty: never).
     draft_vocab: token ids the m2r2_spec / distance_spec draft head scores (`decoding.draft_vocab`).
     layer_loop: "scan", "unrolled" or "auto" (`resolve_layer_loop`).
     """
     engine = build_engine(method, cfg, base_params, max_new_tokens=max_new_tokens, temperature=temperature,
-                          top_p=top_p, gamma=gamma, draft_length=draft_length, eos_id=eos_id, m2r2=m2r2,
+                          top_p=top_p, gamma=gamma, draft_length=draft_length, eos_ids=eos_ids, m2r2=m2r2,
                           draft=draft, exit_layer=exit_layer, decider=decider, kv_missing=kv_missing, plan=plan,
                           draft_vocab=draft_vocab, layer_loop=layer_loop)
     if line_numbers is not None and len(line_numbers) != len(prompts):

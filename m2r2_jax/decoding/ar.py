@@ -11,7 +11,8 @@ from m2r2_jax.models.config import ModelConfig
 from m2r2_jax.models.transformer import forward
 
 
-def ar_round(cfg: ModelConfig, sampling: Sampling, max_new: int, eos_id: int, params, st: GenState) -> GenState:
+def ar_round(cfg: ModelConfig, sampling: Sampling, max_new: int, eos_ids: tuple[int, ...], params,
+             st: GenState) -> GenState:
     """Feed the pending token, draw the next one."""
     pos = write_positions(st, pending_positions(st))
     logits, cache = forward(cfg, params, st.pending[:, None], pos[:, None], st.cache)
@@ -19,4 +20,4 @@ def ar_round(cfg: ModelConfig, sampling: Sampling, max_new: int, eos_id: int, pa
     active = (~st.done).astype(jnp.float32)
     st = st._replace(cache=cache, target_layers=st.target_layers + active * cfg.n_layers)
     one = jnp.ones_like(nxt)
-    return commit(st, nxt[:, None], one, one, max_new=max_new, eos_id=eos_id)
+    return commit(st, nxt[:, None], one, one, max_new=max_new, eos_ids=eos_ids)

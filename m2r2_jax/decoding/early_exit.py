@@ -146,7 +146,7 @@ class DistanceExit:
         cos = jnp.sum(a * b, -1) / (jnp.linalg.norm(a, axis=-1) * jnp.linalg.norm(b, axis=-1) + 1e-9)
         return cos >= tau
 
-    def round(self, sampling: Sampling, max_new: int, eos_id: int, params, tau, st: GenState) -> GenState:
+    def round(self, sampling: Sampling, max_new: int, eos_ids: tuple[int, ...], params, tau, st: GenState) -> GenState:
         cfg, base = self.cfg, params["base"]
         n, s = cfg.n_layers, cache_length(st.cache)
         pos = pending_positions(st)
@@ -196,7 +196,7 @@ class DistanceExit:
         st = st._replace(cache=cache, extra=extra, target_layers=st.target_layers + c["cost"],
                          early_exits=st.early_exits + skipped.astype(jnp.int32))
         one = jnp.ones_like(tok)
-        return commit(st, tok[:, None], one, one, max_new=max_new, eos_id=eos_id)
+        return commit(st, tok[:, None], one, one, max_new=max_new, eos_ids=eos_ids)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -215,7 +215,7 @@ class M2R2Exit:
         k = self.mcfg.steps(self.cfg)
         return (draft_cost_layers(self.cfg, self.mcfg) - self.mcfg.branch_layer) / k
 
-    def round(self, sampling: Sampling, max_new: int, eos_id: int, params, tau, st: GenState) -> GenState:
+    def round(self, sampling: Sampling, max_new: int, eos_ids: tuple[int, ...], params, tau, st: GenState) -> GenState:
         from m2r2_jax.m2r2.fast_stream import exit_head_logits, fast_step, init_traj, visited_layers
 
         cfg, mcfg, base, m2 = self.cfg, self.mcfg, params["base"], params["m2r2"]
@@ -282,8 +282,9 @@ class M2R2Exit:
                          draft_layers=st.draft_layers + c["steps"] * self.step_cost(),
                          early_exits=st.early_exits + exited.astype(jnp.int32))
         one = jnp.ones_like(tok)
-        return commit(st, tok[:, None], one, one, max_new=max_new, eos_id=eos_id)
+        return commit(st, tok[:, None], one, one, max_new=max_new, eos_ids=eos_ids)
 
 
-def exit_round(runner, sampling: Sampling, max_new: int, eos_id: int, params, tau, st: GenState) -> GenState:
-    return runner.round(sampling, max_new, eos_id, params, tau, st)
+def exit_round(runner, sampling: Sampling, max_new: int, eos_ids: tuple[int, ...], params, tau,
+               st: GenState) -> GenState:
+    return runner.round(sampling, max_new, eos_ids, params, tau, st)

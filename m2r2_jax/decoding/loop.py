@@ -65,6 +65,15 @@ def prompt_positions(lengths: jax.Array, width: int, sentinel: int) -> jax.Array
     return jnp.where(pos < lengths[:, None], pos, sentinel)
 
 
+def is_stop(tokens: jax.Array, eos_ids: tuple[int, ...]) -> jax.Array:
+    """Bool array shaped like `tokens`: which tokens are any of the stop ids. `eos_ids` is a static
+    tuple, so this unrolls to one compare per id (a handful at most); empty: nothing stops."""
+    hit = jnp.zeros(tokens.shape, bool)
+    for e in eos_ids:
+        hit = hit | (tokens == e)
+    return hit
+
+
 def prefill(
     cfg: ModelConfig,
     params,
@@ -77,7 +86,7 @@ def prefill(
     max_new: int,
     commit_width: int,
     cache_len: int,
-    eos_id: int,
+    eos_ids: tuple[int, ...],
     dstate: Any = (),
     extra: Any = (),
 ) -> GenState:
@@ -90,7 +99,7 @@ def prefill(
     first = select(round_keys(keys, 0), last, sampling)
     prev = jnp.take_along_axis(prompts, (lengths - 1)[:, None], axis=1)[:, 0]
     out = jnp.zeros((b, max_new + commit_width), jnp.int32).at[:, 0].set(first)
-    done = (~valid) | (first == eos_id) | (max_new <= 1)
+    done = (~valid) | is_stop(first, eos_ids) | (max_new <= 1)
     return GenState(
         cache=cache,
         dstate=dstate,
@@ -112,14 +121,15 @@ def prefill(
 
 
 def commit(st: GenState, new_tokens: jax.Array, count: jax.Array, accepted: jax.Array, *, max_new: int,
-           eos_id: int) -> GenState:
-    """Append new_tokens[b, :count[b]] to every running sequence, stopping at EOS and at max_new.
+           eos_ids: tuple[int, ...]) -> GenState:
+    """Append new_tokens[b, :count[b]] to every running sequence, stopping after the first token
+    that is any of `eos_ids` (kept in the output) and at max_new.
 
     `accepted` [B] is what the round reports (accepted drafts + 1) before any truncation."""
     c = new_tokens.shape[1]
     active = ~st.done
     idx = jnp.arange(c)[None]
-    is_eos = (new_tokens == eos_id) & (idx < count[:, None])
+    is_eos = is_stop(new_tokens, eos_ids) & (idx < count[:, None])
     hit_eos = jnp.any(is_eos, axis=1)
     count = jnp.where(hit_eos, jnp.argmax(is_eos, axis=1) + 1, count)
     count = jnp.minimum(count, max_new - st.n_gen)

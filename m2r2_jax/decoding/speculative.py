@@ -276,7 +276,7 @@ def spec_round(
     gamma: int,
     dynamic: bool,
     max_new: int,
-    eos_id: int,
+    eos_ids: tuple[int, ...],
     accept_fn: Optional[Callable],
     params,
     tau,
@@ -302,4 +302,4 @@ def spec_round(
         target_layers=st.target_layers + active * verify_layers(cfg, gamma, drafter.shared_layers),
         draft_layers=st.draft_layers + active * drafter.cost_per_token() * steps,
     )
-    return commit(st, cand, n_acc + 1, n_acc + 1, max_new=max_new, eos_id=eos_id)
+    return commit(st, cand, n_acc + 1, n_acc + 1, max_new=max_new, eos_ids=eos_ids)

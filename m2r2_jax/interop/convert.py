@@ -1,10 +1,14 @@
-"""Hugging Face checkpoint <-> model checkpoint (`m2r2_jax.models.checkpoint`).
+"""Hugging Face and GGUF checkpoints <-> model checkpoint (`m2r2_jax.models.checkpoint`).
 
     convert_hf(hf_dir, out_dir, dtype=None)   config.json + safetensors -> model checkpoint
+    convert_gguf(path, out_dir, dtype=None)   a llama.cpp GGUF file -> model checkpoint
     export_hf(ckpt_dir, out_dir)              model checkpoint -> config.json + safetensors
     load_hf(hf_dir, dtype=None)               (cfg, params) in memory, without writing anything
 
-The tokenizer file (`tokenizer.model`, else `tokenizer.json`) is copied as is when present.
+From a Hugging Face directory the tokenizer file (`tokenizer.model`, else `tokenizer.json`) is
+copied as is when present, with tokenizer_config.json, generation_config.json (end-of-sequence
+ids) and chat_template.jinja beside it. From a GGUF file the tokenizer is rebuilt from the
+file's metadata (`gguf_tokenizer`).
 """
 
 from __future__ import annotations
@@ -24,6 +28,8 @@ from m2r2_jax.interop.safetensors_io import (DEFAULT_MAX_SHARD_SIZE, params_to_h
 from m2r2_jax.models.config import ModelConfig
 
 TOKENIZER_FILES = ("tokenizer.model", "tokenizer.json")
+# Kept beside the tokenizer: special tokens and chat template, stop ids, a separate template file.
+TOKENIZER_EXTRAS = ("tokenizer_config.json", "generation_config.json", "chat_template.jinja")
 
 
 def _hf_dir(hf_dir) -> Path:
@@ -58,13 +64,36 @@ def convert_hf(hf_dir, out_dir, dtype: Optional[str] = None, overwrite: bool = F
     from m2r2_jax.models.checkpoint import save_model  # (imports jax and orbax)
 
     tok = tokenizer_file(hf_dir)
-    return save_model(out, cfg, params, tokenizer_file=str(tok) if tok else None, overwrite=overwrite)
+    extras = [p for p in (Path(hf_dir) / n for n in TOKENIZER_EXTRAS) if p.is_file()] if tok else []
+    return save_model(out, cfg, params, tokenizer_file=str(tok) if tok else None, overwrite=overwrite,
+                      tokenizer_extras=extras)
+
+
+def convert_gguf(path, out_dir, dtype: Optional[str] = None, overwrite: bool = False) -> Path:
+    """Convert a GGUF file (`gguf_io`: llama / qwen2 architectures, any quantisation the gguf
+    package dequantises) into a model checkpoint at `out_dir`, with the tokenizer rebuilt from its
+    metadata. `dtype` defaults to float32, which keeps the dequantised weights exact."""
+    import tempfile
+
+    from m2r2_jax.interop.gguf_io import load_gguf
+    from m2r2_jax.interop.gguf_tokenizer import write_gguf_tokenizer
+
+    out = Path(out_dir)
+    if out.exists() and not overwrite:
+        raise CheckpointError(f"{out.absolute()} already exists (pass overwrite/--force to replace it)")
+    cfg, params, g = load_gguf(path, dtype)
+    from m2r2_jax.models.checkpoint import save_model
+
+    with tempfile.TemporaryDirectory() as tmp:
+        tok, *extras = write_gguf_tokenizer(g, tmp)  # checked before anything is written under `out`
+        return save_model(out, cfg, params, tokenizer_file=str(tok), overwrite=overwrite, tokenizer_extras=extras)
 
 
 def write_hf(cfg: ModelConfig, params, out_dir, max_shard_size: Union[int, str] = DEFAULT_MAX_SHARD_SIZE,
              tokenizer: Optional[Path] = None, overwrite: bool = False) -> Path:
     """Write (cfg, params) as a Hugging Face directory: config.json + safetensors in the hub layout
-    (sharded with an index above `max_shard_size`) + the tokenizer file if given. Written to a
+    (sharded with an index above `max_shard_size`) + the tokenizer file if given, with the
+    `TOKENIZER_EXTRAS` found beside it. Written to a
     temporary directory and renamed into place."""
     limit = parse_size(max_shard_size)
     out = Path(out_dir).absolute()
@@ -76,7 +105,9 @@ def write_hf(cfg: ModelConfig, params, out_dir, max_shard_size: Union[int, str] 
         write_safetensors(tensors, tmp, limit)
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         if tokenizer is not None:
-            shutil.copy(tokenizer, tmp / Path(tokenizer).name)
+            for f in (tokenizer, *(Path(tokenizer).parent / n for n in TOKENIZER_EXTRAS)):
+                if Path(f).is_file():
+                    shutil.copy(f, tmp / Path(f).name)
     return out
 
 
@@ -94,4 +125,4 @@ def export_hf(ckpt_dir, out_dir, max_shard_size: Union[int, str] = DEFAULT_MAX_S
     return write_hf(cfg, params, out, max_shard_size, tokenizer_path(ckpt_dir), overwrite)
 
 
-__all__ = ["load_hf", "convert_hf", "export_hf", "write_hf", "tokenizer_file"]
+__all__ = ["load_hf", "convert_hf", "convert_gguf", "export_hf", "write_hf", "tokenizer_file"]

@@ -112,6 +112,10 @@ class WeightReader:
     def names(self) -> set[str]:
         return set(self._files)
 
+    def where(self, name: str) -> str:
+        """The file that holds `name`, for error messages."""
+        return self._files[name].name
+
     def __contains__(self, name: str) -> bool:
         return name in self._files
 
@@ -258,7 +262,8 @@ def abstract_params(cfg: ModelConfig):
 
 def read_params(cfg: ModelConfig, hf_dir, check_layout: bool = True) -> dict:
     """Read a Hugging Face checkpoint into our parameter tree: numpy arrays in `cfg.param_dtype`
-    (norm scales float32), laid out exactly as `init_params` lays them out. Checkpoint problems
+    (norm scales float32), laid out exactly as `init_params` lays them out. `hf_dir` is a model
+    directory or a reader serving tensors under Hugging Face names (`gguf_io.GGUFWeights`). Checkpoint problems
     raise `CheckpointError` before jax is imported; `check_layout` finally compares the tree with
     `init_params` (a guard against this module and `models/layers.py` drifting apart)."""
     pd = _np_dtype(cfg.param_dtype)
@@ -266,7 +271,7 @@ def read_params(cfg: ModelConfig, hf_dir, check_layout: bool = True) -> dict:
     def dt(path):
         return np.dtype(np.float32) if path[-1] == "scale" else pd
 
-    r = WeightReader(hf_dir)
+    r = hf_dir if hasattr(hf_dir, "unexpected") else WeightReader(hf_dir)
     try:
         d, V = cfg.d_model, cfg.vocab_size
         params: dict = {}
@@ -296,8 +301,8 @@ def read_params(cfg: ModelConfig, hf_dir, check_layout: bool = True) -> dict:
         extra = r.unexpected()
         if extra:
             more = f" (and {len(extra) - 1} more)" if len(extra) > 1 else ""
-            raise CheckpointError(f"unexpected tensor {extra[0]!r} in {r._files[extra[0]].name}{more}: the "
-                                  f"checkpoint does not match its config.json ({cfg.family})")
+            raise CheckpointError(f"unexpected tensor {extra[0]!r} in {r.where(extra[0])}{more}: the "
+                                  f"checkpoint does not match its configuration ({cfg.family})")
     finally:
         r.close()
     if check_layout:

@@ -4,7 +4,9 @@ Layout of a model directory:
 
     DIR/model_config.json      ModelConfig as JSON
     DIR/params/                orbax checkpoint of the parameter pytree
-    DIR/tokenizer/             tokenizer.model (sentencepiece) or tokenizer.json, when known
+    DIR/tokenizer/             tokenizer.model (sentencepiece) or tokenizer.json, when known, with
+                               tokenizer_config.json (special tokens, chat template) and
+                               generation_config.json (end-of-sequence ids) when the source has them
     DIR/fingerprint.json       shapes/dtypes hash, so dependent checkpoints (M2R2, drafts) can
                                check they belong to this base
 
@@ -18,7 +20,7 @@ import hashlib
 import json
 import shutil
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Sequence
 
 import jax
 import numpy as np
@@ -46,14 +48,18 @@ def params_fingerprint(cfg: ModelConfig, params) -> str:
     return h.hexdigest()[:16]
 
 
-def save_model(directory, cfg: ModelConfig, params, tokenizer_file: Optional[str] = None, overwrite: bool = False) -> Path:
+def save_model(directory, cfg: ModelConfig, params, tokenizer_file: Optional[str] = None, overwrite: bool = False,
+               tokenizer_extras: Sequence = ()) -> Path:
+    """Write a model directory. `tokenizer_extras`: files copied beside the tokenizer file
+    (tokenizer_config.json, generation_config.json, chat_template.jinja)."""
     with atomic_directory(directory, overwrite) as tmp:
         save_pytree(tmp / PARAMS_DIR, params)
         (tmp / CONFIG_FILE).write_text(cfg.to_json())
         (tmp / FINGERPRINT_FILE).write_text(json.dumps({"fingerprint": params_fingerprint(cfg, params)}))
         if tokenizer_file:
             (tmp / TOKENIZER_DIR).mkdir()
-            shutil.copy(tokenizer_file, tmp / TOKENIZER_DIR / Path(tokenizer_file).name)
+            for f in (tokenizer_file, *tokenizer_extras):
+                shutil.copy(f, tmp / TOKENIZER_DIR / Path(f).name)
     return Path(directory).absolute()
 
 

@@ -23,7 +23,7 @@ from m2r2_jax.cli.main import VERBS  # noqa: E402  (no JAX import: the verbs are
 # still not exist afterwards.
 CASES = [
     # convert
-    ("convert-no-hf", "convert --out {out}", ["--hf"], None),
+    ("convert-no-hf", "convert --out {out}", ["--hf", "--gguf"], None),
     ("convert-hf-missing", "convert --hf {missing} --out {out}", ["does_not_exist"], None),
     ("convert-hf-is-file", "convert --hf {file} --out {out}", ["a_file", "not a directory"], None),
     ("convert-hf-empty", "convert --hf {empty_dir} --out {out}", ["config.json"], None),
@@ -34,6 +34,16 @@ CASES = [
     ("convert-bad-dtype", "convert --hf {hf} --out {out} --dtype float64", ["--dtype", "float64"], None),
     ("convert-out-exists", "convert --hf {hf} --out {empty_dir}", ["already exists"], None),
     ("convert-positional", "convert --hf {hf} --out {out} junk", ["junk"], None),
+    ("convert-hf-and-gguf", "convert --hf {hf} --gguf {file} --out {out}", ["exactly one of"], None),
+    ("convert-gguf-missing", "convert --gguf {missing}.gguf --out {out}", ["does_not_exist.gguf"], None),
+    ("convert-gguf-garbage", "convert --gguf {file} --out {out}", ["a_file", "GGUF"], None),
+    ("convert-gguf-is-dir", "convert --gguf {empty_dir} --out {out}", ["empty_dir"], None),
+    # fetch (`m2r2 fetch NAME` is `--name NAME`; nothing here reaches a registry)
+    ("fetch-unknown-name", "fetch --name gpt-17 --out {out}", ["gpt-17", "smollm2-135m-instruct"], None),
+    ("fetch-no-out", "fetch --name smollm2-135m-instruct", ["--out"], None),
+    ("fetch-no-name", "fetch --out {out}", ["--list"], None),
+    ("fetch-out-in-file", "fetch --name smollm2-135m-instruct --out {file}/m", ["a_file"], None),
+    ("fetch-list-and-out", "fetch --list --out {out}", ["--list", "--out"], None),
     # export
     ("export-ckpt-missing", "export --checkpoint {missing} --out {out}", ["model_config.json"], None),
     ("export-ckpt-is-file", "export --checkpoint {file} --out {out}", ["a_file"], None),

@@ -49,7 +49,7 @@ def engine(case: str, variant: str, temperature: float = 0.0):
     cfg, params = model(c.pop("family"))
     assert c.get("draft_vocab") is None or max(c["draft_vocab"]) < cfg.vocab_size
     method = c.pop("method")
-    kw = dict(max_new_tokens=MAX_NEW, eos_id=EOS, temperature=temperature, **c)
+    kw = dict(max_new_tokens=MAX_NEW, eos_ids=EOS, temperature=temperature, **c)
     if method == "m2r2_spec":
         kw["m2r2"] = (kw["mcfg"], m2r2_params(cfg.family, kw.pop("mcfg"), variant))
     if method == "two_model":
@@ -59,7 +59,7 @@ def engine(case: str, variant: str, temperature: float = 0.0):
 
 def ar_engine(family: str, temperature: float = 0.0):
     cfg, params = model(family)
-    return api.build_engine("ar", cfg, params, max_new_tokens=MAX_NEW, eos_id=EOS, temperature=temperature)
+    return api.build_engine("ar", cfg, params, max_new_tokens=MAX_NEW, eos_ids=EOS, temperature=temperature)
 
 
 def assert_cache_matches_plain_decoding(cfg, params, prompts, results, state):

@@ -66,7 +66,7 @@ def test_unstacked_layers_refuse_a_traced_index():
 @functools.lru_cache(maxsize=None)
 def engines(family: str, method: str):
     cfg, params = model(family)
-    kw = dict(max_new_tokens=MAX_NEW, eos_id=EOS, gamma=3)
+    kw = dict(max_new_tokens=MAX_NEW, eos_ids=EOS, gamma=3)
     if method == "m2r2_spec":
         kw["m2r2"] = (MCFG[family], random_m2r2(cfg, MCFG[family], 7, adapter_scale=0.05))
     if method == "distance_spec":
@@ -76,7 +76,7 @@ def engines(family: str, method: str):
     if method == "ar":
         kw.pop("gamma")
     return (api.build_engine(method, cfg, params, layer_loop="unrolled", **kw),
-            api.build_engine("ar", cfg, params, max_new_tokens=MAX_NEW, eos_id=EOS))
+            api.build_engine("ar", cfg, params, max_new_tokens=MAX_NEW, eos_ids=EOS))
 
 
 CASES = [("llama", "ar"), ("llama", "m2r2_spec"), ("llama", "distance_spec"), ("llama", "two_model"),

@@ -1,0 +1,56 @@
+"""The real SmolLM2-135M-Instruct, end to end: the GGUF from the fetch cache (filled by `m2r2
+fetch` or the demo; the test suite downloads nothing, so without it this test is skipped)
+converts to a checkpoint whose `m2r2 generate` answers to chat-templated prompts equal
+transformers' greedy answers token for token, stopping at <|im_end|>."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from m2r2_jax.interop.fetch import default_cache_dir, model_source
+
+SOURCE = model_source("smollm2-135m-instruct")
+CACHED = default_cache_dir() / SOURCE.name / SOURCE.filename
+M2R2 = str(Path(sys.executable).with_name("m2r2"))
+QUESTIONS = ["What is the capital of France?", "Write a haiku about the sea.",
+             "List three prime numbers greater than 100, then explain why 91 is not prime."]
+MAX_NEW = 48
+
+pytestmark = pytest.mark.skipif(not CACHED.is_file(), reason=f"the real model is not in the fetch cache ({CACHED}); "
+                                "`m2r2 fetch smollm2-135m-instruct --out DIR` puts it there")
+
+
+def test_generate_equals_transformers_greedy(tmp_path):
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from m2r2_jax.data.chat_template import encode_prompt
+    from m2r2_jax.data.tokenizer import load_tokenizer
+    from m2r2_jax.interop.convert import convert_gguf
+
+    ckpt = convert_gguf(CACHED, tmp_path / "ckpt")
+    tok = load_tokenizer(ckpt / "tokenizer")
+    assert tok.eos_ids == (0, 2) and tok.chat_template is not None
+    (tmp_path / "p.jsonl").write_text("".join(json.dumps({"prompt": q}) + "\n" for q in QUESTIONS))
+    r = subprocess.run([M2R2, "generate", "--checkpoint", ckpt, "--prompts", tmp_path / "p.jsonl",
+                        "--out", tmp_path / "o.jsonl", "--max-new-tokens", str(MAX_NEW), "--batch-size", "1"],
+                       capture_output=True, text=True, env=dict(os.environ, JAX_PLATFORMS="cpu"), timeout=600)
+    assert r.returncode == 0, r.stderr
+    ours = [json.loads(line)["tokens"] for line in (tmp_path / "o.jsonl").read_text().splitlines()]
+
+    ref_tok = transformers.AutoTokenizer.from_pretrained(CACHED.parent, gguf_file=CACHED.name)
+    model = transformers.AutoModelForCausalLM.from_pretrained(CACHED.parent, gguf_file=CACHED.name,
+                                                              dtype=torch.float32).eval()
+    for q, got in zip(QUESTIONS, ours):
+        ids = ref_tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
+                                          tokenize=True, return_dict=False)
+        assert encode_prompt(tok, q, tok.chat_template) == list(ids), q
+        with torch.no_grad():
+            out = model.generate(torch.tensor([ids]), max_new_tokens=MAX_NEW, do_sample=False,
+                                 eos_token_id=list(tok.eos_ids), pad_token_id=2)
+        want = out[0, len(ids):].tolist()
+        assert got == want, (q, got, want)
+    assert ours[0][-1] == 2 and len(ours[0]) < MAX_NEW  # the short answer stops at <|im_end|>
