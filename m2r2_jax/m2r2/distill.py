@@ -11,6 +11,11 @@ Config (an ml_collections ConfigDict, see `configs/m2r2/`):
     train             the stream (or joint) stage: `m2r2_jax.training.config.train_section()`
     router_train      the router stage (same fields; used with "two_stage")
     data              corpus section (tokenizer "" = the base checkpoint's tokenizer)
+    teacher_cache     True: run the frozen base once over the whole (packed) training set before
+                      the first step and keep what the fast steps need (`fast_stream.Teacher`:
+                      h_b, the targets, the final state, keys and values at the visited layers);
+                      each step then runs only the fast stream and the heads. Pays from the
+                      second epoch on; memory: N x T x (K + 2) x d + 2 x N x K x T x KV x hd floats
 
 Workdir layout: `stream/` and `router/` (train checkpoints + TensorBoard, one per stage, each
 resumable), `m2r2/` (the final M2R2 checkpoint, tied to the base's fingerprint), `distill_summary.json`.
@@ -29,7 +34,7 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
-from m2r2_jax.data.pipeline import lm_pipeline
+from m2r2_jax.data.pipeline import batch_iterator, lm_pipeline
 from m2r2_jax.data.tokenizer import load_tokenizer
 from m2r2_jax.errors import CheckpointError, ConfigError
 from m2r2_jax.m2r2 import losses as L
@@ -59,6 +64,7 @@ def distill_config() -> ml_collections.ConfigDict:
     cfg.m2r2 = m2r2_section()
     cfg.loss = ml_collections.ConfigDict(dataclasses.asdict(L.LossConfig()))
     cfg.schedule = "two_stage"
+    cfg.teacher_cache = False
     cfg.seed = 0
     cfg.train = train_section()
     cfg.train.update(dict(steps=300, learning_rate=2e-3, warmup_steps=20, weight_decay=0.0, checkpoint_every=100))
@@ -75,6 +81,8 @@ def m2r2_config_from(section) -> M2R2Config:
 
 def validate_distill(cfg, base_cfg=None) -> tuple:
     """Returns (M2R2Config, LossConfig) after checking every section."""
+    if not isinstance(cfg.get("teacher_cache", False), bool):
+        raise ConfigError(f"teacher_cache={cfg.teacher_cache!r} is invalid: expected True or False")
     if cfg.schedule not in SCHEDULES:
         raise ConfigError(f"schedule={cfg.schedule!r} is invalid: expected one of {', '.join(SCHEDULES)}")
     try:
@@ -94,15 +102,19 @@ def validate_distill(cfg, base_cfg=None) -> tuple:
         if coef:  # the base is frozen: its routing cannot be balanced here
             raise ConfigError(f"{section}.moe_aux_loss_coef={coef!r} is invalid: distillation keeps the base "
                               "(and its router) frozen; set the balance loss when pre-training the base")
-    validate_data(cfg.data)
+    validate_data(cfg.data, model_tokenizer=True)  # "": the base checkpoint's tokenizer
     return mcfg, lcfg
 
 
-def _loss_fn(base_cfg, mcfg, lcfg, seq_len):
+def _loss_fn(base_cfg, mcfg, lcfg, seq_len, stage: str = "joint"):
+    """The training loss. frozen = (base params, the other M2R2 params[, the teacher cache]); with a
+    cache each batch row ends in its example's index into it."""
+
     def loss_fn(trainable, frozen, batch, rng):
-        del rng
-        base_params, rest = frozen
-        loss, metrics = L.distill_loss(base_cfg, mcfg, lcfg, base_params, {**rest, **trainable}, batch[:, :seq_len])
+        base_params, rest, *cache = frozen
+        teacher = _cached_teacher(cache[0], batch[:, -1]) if cache else None
+        loss, metrics = L.distill_loss(base_cfg, mcfg, lcfg, base_params, {**rest, **trainable}, batch[:, :seq_len],
+                                       rng, deciders=(stage != "stream"), teacher=teacher)
         metrics = dict(metrics)
         per_step = metrics.pop("agreement_per_step")
         for i in range(per_step.shape[0]):
@@ -112,10 +124,58 @@ def _loss_fn(base_cfg, mcfg, lcfg, seq_len):
     return loss_fn
 
 
+# --------------------------------------------------------------------------------------------
+# Teacher cache
+# --------------------------------------------------------------------------------------------
+TEACHER_CACHE_LIMIT = 8 << 30  # bytes: a larger cache is refused (shorten the data or turn it off)
+
+
+def teacher_cache_bytes(base_cfg, mcfg, n_examples: int, seq_len: int) -> int:
+    k = mcfg.steps(base_cfg)
+    per_token = (k + 2) * base_cfg.d_model + 2 * k * base_cfg.n_kv_heads * base_cfg.head_dim
+    return 4 * n_examples * seq_len * per_token
+
+
+def build_teacher_cache(base_cfg, mcfg, base_params, examples: np.ndarray, seq_len: int, batch_size: int,
+                        progress: bool = True) -> dict:
+    """`fast_stream.Teacher` for every packed example, example-major ([N, ...] numpy arrays), with
+    a progress bar. One jitted program over `batch_size` rows (the last chunk is padded)."""
+    from tqdm.auto import tqdm
+
+    from m2r2_jax.m2r2.fast_stream import teacher_outputs
+
+    fn = jax.jit(lambda p, t: teacher_outputs(base_cfg, mcfg, p, t))
+    n = examples.shape[0]
+    out: dict = {}
+    for lo in tqdm(range(0, n, batch_size), desc="teacher cache", leave=False, disable=not progress):
+        chunk = examples[lo:lo + batch_size, :seq_len]
+        pad = batch_size - chunk.shape[0]
+        tokens = np.concatenate([chunk, np.zeros((pad, seq_len), chunk.dtype)]) if pad else chunk
+        t = jax.device_get(fn(base_params, jnp.asarray(tokens, jnp.int32)))
+        rows = {"g0": t.g0, "final": t.final, "targets": np.swapaxes(t.targets, 0, 1),
+                "k": np.swapaxes(t.k, 0, 1), "v": np.swapaxes(t.v, 0, 1)}
+        for name, a in rows.items():
+            if name not in out:
+                out[name] = np.empty((n,) + a.shape[1:], a.dtype)
+            out[name][lo:lo + chunk.shape[0]] = a[:chunk.shape[0]]
+    return out
+
+
+def _cached_teacher(cache: dict, index):
+    """The `Teacher` of a batch from the example-major cache (inside the jitted step)."""
+    from m2r2_jax.m2r2.fast_stream import Teacher
+
+    rows = {k: jnp.take(v, index, axis=0) for k, v in cache.items()}
+    step_major = {k: jnp.swapaxes(rows[k], 0, 1) for k in ("targets", "k", "v")}
+    return Teacher(rows["g0"], step_major["targets"], rows["final"], step_major["k"], step_major["v"])
+
+
 def _stage(tcfg, workdir, base_cfg, mcfg, lcfg, base_params, m2r2_params, stage, data_iter, seq_len, seed, prefix,
-           plan=None):
+           plan=None, teacher_cache=None):
     trainable, rest = L.split_params(m2r2_params, stage)
-    result = train(tcfg, workdir, trainable, (base_params, rest), _loss_fn(base_cfg, mcfg, lcfg, seq_len), data_iter,
+    frozen = (base_params, rest) if teacher_cache is None else (base_params, rest, teacher_cache)
+    result = train(tcfg, workdir, trainable, frozen, _loss_fn(base_cfg, mcfg, lcfg, seq_len, stage),
+                   data_iter,
                    rng=jax.random.key(seed), metrics_prefix=prefix,
                    tokens_per_batch=lambda b: int(np.prod(np.shape(b)[:1])) * seq_len, plan=plan)
     return {**rest, **jax.device_get(result.trainable)}, result
@@ -159,17 +219,30 @@ def distill(cfg, workdir, plan=None) -> dict:
     summary = {"base_checkpoint": str(Path(cfg.base_checkpoint).absolute()), "base_fingerprint": fingerprint,
                "m2r2": mcfg.to_dict(), "schedule": cfg.schedule}
     first = "joint" if cfg.schedule == "joint" else "stream"
-    data_iter, _ = lm_pipeline(cfg.data, tok, cfg.train.batch_size, cfg.data.seed)
+    cache = None
+    if cfg.teacher_cache:
+        examples = _indexed_examples(cfg, tok, base_cfg, mcfg, plan)
+        cache = build_teacher_cache(base_cfg, mcfg, base_params, examples, seq_len, cfg.train.batch_size,
+                                    cfg.train.progress)
+        summary["teacher_cache"] = {"examples": int(examples.shape[0]),
+                                    "bytes": int(sum(a.nbytes for a in cache.values()))}
+
+    def data(batch_size, seed):
+        if cache is None:
+            return lm_pipeline(cfg.data, tok, batch_size, seed)[0]
+        return batch_iterator(examples, batch_size, seed, shuffle=cfg.data.shuffle)
+
     m2r2_params, res = _stage(cfg.train, workdir / "stream", base_cfg, mcfg, lcfg, base_params, m2r2_params, first,
-                              data_iter, seq_len, cfg.seed, f"distill_{first}", plan)
+                              data(cfg.train.batch_size, cfg.data.seed), seq_len, cfg.seed, f"distill_{first}", plan,
+                              cache)
     summary[first] = _summarize(res)
     if res.preempted:
         summary["preempted"] = True
         return summary
     if cfg.schedule == "two_stage":
-        data_iter, _ = lm_pipeline(cfg.data, tok, cfg.router_train.batch_size, cfg.data.seed + 1)
         m2r2_params, res = _stage(cfg.router_train, workdir / "router", base_cfg, mcfg, lcfg, base_params, m2r2_params,
-                                  "router", data_iter, seq_len, cfg.seed + 1, "distill_router", plan)
+                                  "router", data(cfg.router_train.batch_size, cfg.data.seed + 1), seq_len,
+                                  cfg.seed + 1, "distill_router", plan, cache)
         summary["router"] = _summarize(res)
         if res.preempted:
             summary["preempted"] = True
@@ -183,6 +256,27 @@ def distill(cfg, workdir, plan=None) -> dict:
     summary["preempted"] = False
     (workdir / "distill_summary.json").write_text(json.dumps(summary, indent=2))
     return summary
+
+
+def _indexed_examples(cfg, tok, base_cfg, mcfg, plan) -> np.ndarray:
+    """The packed training examples [N, seq_len + 2]: tokens, then the row's own index (the
+    teacher cache's row). Refuses what the cache cannot serve."""
+    from m2r2_jax.data.pipeline import pack, tokenize_documents
+    from m2r2_jax.data.sources import load_documents
+
+    if plan is not None:
+        raise ConfigError("teacher_cache=True runs without a sharding plan (--mesh/--sharding): the cache is one "
+                          "host's memory")
+    if cfg.loss.lambda_routing > 0 and base_cfg.is_moe:
+        raise ConfigError("teacher_cache=True cannot serve loss.lambda_routing (routing distillation needs every "
+                          "layer's routing each step): set one of them off")
+    examples = pack(tokenize_documents(tok, load_documents(cfg.data)), cfg.data.seq_len)
+    need = teacher_cache_bytes(base_cfg, mcfg, examples.shape[0], cfg.data.seq_len)
+    if need > TEACHER_CACHE_LIMIT:
+        raise ConfigError(f"teacher_cache=True needs {need / 2**30:.1f} GiB for {examples.shape[0]} examples of "
+                          f"{cfg.data.seq_len} tokens (limit {TEACHER_CACHE_LIMIT / 2**30:.0f} GiB): use less data or "
+                          "turn the cache off")
+    return np.concatenate([examples, np.arange(examples.shape[0], dtype=examples.dtype)[:, None]], axis=1)
 
 
 def heldout_batches(tok, seq_len: int, batch_size: int, max_batches: int, text: str):

@@ -357,7 +357,7 @@ def _per_step_heads(base, mcfg, base_params, m2r2_params, g0, states, z):
 
 
 class TrainForward(NamedTuple):
-    slow_logits: jax.Array  # [B, T, V]
+    slow_logits: Optional[jax.Array]  # [B, T, V] (None: not computed)
     slow_hidden: jax.Array  # [L+1, B, T, d]
     states: jax.Array  # [K, B, T, d] fast states g_1..g_K
     g0: jax.Array  # [B, T, d] = h_b
@@ -366,19 +366,65 @@ class TrainForward(NamedTuple):
     slow_router_logits: Optional[jax.Array]  # [L, B, T, E]
 
 
-def train_forward(base: ModelConfig, mcfg: M2R2Config, base_params, m2r2_params, tokens, positions=None) -> TrainForward:
+def train_forward(base: ModelConfig, mcfg: M2R2Config, base_params, m2r2_params, tokens, positions=None,
+                  slow_logits: bool = True) -> TrainForward:
     """Slow stream (frozen, stop-gradient) and fast stream over whole sequences in one pass. The
-    slow pass fills a KV cache that the fast steps read (train-mode attention)."""
+    slow pass fills a KV cache that the fast steps read (train-mode attention). Without
+    `slow_logits` the slow stream's LM head is skipped (`TrainForward.slow_logits` is None): the
+    distillation loss applies it to the positions it scores only."""
     b, t = tokens.shape
     if positions is None:
         positions = jnp.broadcast_to(jnp.arange(t)[None], (b, t))
     base_params = jax.lax.stop_gradient(base_params)
     cache = T.init_cache(base, b, t)
-    slow_logits, cache, aux = T.forward(base, base_params, tokens, positions, cache, return_aux=True)
-    slow_logits, hidden, cache = jax.lax.stop_gradient((slow_logits, aux.hidden, cache))
+    x0 = T.embed(base, base_params, tokens)
+    x, cache, layer_out, router_logits = T.run_layers(base, base_params, x0, positions, cache, collect=True)
+    logits = T.head(base, base_params, x) if slow_logits else None
+    aux = T.ForwardAux(jnp.concatenate([x0[None], layer_out], axis=0), router_logits)
+    slow_logits, hidden, cache = jax.lax.stop_gradient((logits, aux.hidden, cache))
     g0 = hidden[mcfg.branch_layer]
     _, _, states, z, rl, _ = _run_steps(base, mcfg, base_params, m2r2_params, g0, positions, cache, True, True)
     return TrainForward(slow_logits, hidden, states, g0, z, rl, aux.router_logits)
+
+
+class Teacher(NamedTuple):
+    """What the frozen slow stream gives the distillation loss for one batch (all stop-gradient):
+    enough to run the fast steps and score them without the base's other layers."""
+
+    g0: jax.Array  # [B, T, d] h_b, where the fast stream starts
+    targets: jax.Array  # [K, B, T, d] h_{j_i + 1}, the slow state each fast step lines up with
+    final: jax.Array  # [B, T, d] h_N before the final norm (the teacher's logits come from it)
+    k: jax.Array  # [K, B, KV, T, hd] the slow stream's keys at the visited layers
+    v: jax.Array  # [K, B, KV, T, hd] and values
+
+
+def teacher_outputs(base: ModelConfig, mcfg: M2R2Config, base_params, tokens, positions=None) -> Teacher:
+    """One pass of the frozen base over whole sequences, kept to what the fast steps read."""
+    b, t = tokens.shape
+    if positions is None:
+        positions = jnp.broadcast_to(jnp.arange(t)[None], (b, t))
+    base_params = jax.lax.stop_gradient(base_params)
+    x0 = T.embed(base, base_params, tokens)
+    x, cache, layer_out, _ = T.run_layers(base, base_params, x0, positions, T.init_cache(base, b, t), collect=True)
+    vis = jnp.asarray(visited_layers(base, mcfg))
+    hidden_at = lambda i: x0 if i == 0 else layer_out[i - 1]  # noqa: E731  (h_i: after i layers)
+    out = Teacher(hidden_at(mcfg.branch_layer), layer_out[vis], x, cache["k"][vis], cache["v"][vis])
+    return jax.lax.stop_gradient(out)
+
+
+def fast_train_states(base: ModelConfig, mcfg: M2R2Config, base_params, m2r2_params, teacher: Teacher,
+                      positions=None) -> jax.Array:
+    """The fast states g_1..g_K [K, B, T, d] from a `Teacher` (train-mode attention over the slow
+    keys and values of each visited layer): the same states `train_forward` gives."""
+    b, t = teacher.g0.shape[:2]
+    if positions is None:
+        positions = jnp.broadcast_to(jnp.arange(t)[None], (b, t))
+    vis = jnp.asarray(visited_layers(base, mcfg))
+    cache = T.init_cache(base, b, t, dtype=teacher.k.dtype)
+    cache = {"k": cache["k"].at[vis].set(teacher.k), "v": cache["v"].at[vis].set(teacher.v)}
+    _, _, states, _, _, _ = _run_steps(base, mcfg, jax.lax.stop_gradient(base_params), m2r2_params, teacher.g0,
+                                       positions, cache, True, True)
+    return states
 
 
 def normalize(base: ModelConfig, x: jax.Array) -> jax.Array:

@@ -11,6 +11,7 @@ the training loop passes as trainable (stage "stream", stage "router", or "joint
 from __future__ import annotations
 
 import dataclasses
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -27,6 +28,7 @@ STREAM_KEYS = ("adapters", "rates", "exit_norm", "moe_lowrank")
 DECIDER_KEYS = ("router", "step_mlp")
 STAGES = ("stream", "router", "joint")
 ROUTING_LAYERS = ("visited", "predicted")
+REMAT_LOGITS_BYTES = 1 << 30  # the fast stream's logits at every step kept for the backward pass up to this
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,6 +44,11 @@ class LossConfig:
     # (also every skipped layer after the branch, through its router on the fast state standing for
     # its input, `fast_stream.skipped_layer_states`: the guess the offload predictor makes there)
     routing_layers: str = "predicted"
+    # fraction of each sequence's positions the vocabulary-sized terms (KL, decider labels) score,
+    # drawn afresh every step: the LM heads and softmaxes over the vocabulary cost far more than
+    # the fast stream itself at real vocabularies (49k: ~0.6 of a step), and positions within one
+    # sequence carry correlated signal
+    kl_fraction: float = 1.0
 
     def validate(self) -> "LossConfig":
         if not self.temperature > 0:
@@ -51,6 +58,8 @@ class LossConfig:
                 raise ConfigError(f"loss.{name}={getattr(self, name)!r} is invalid: expected >= 0")
         if self.step_weights not in ("uniform", "increasing"):
             raise ConfigError(f"loss.step_weights={self.step_weights!r} is invalid: expected uniform or increasing")
+        if not (0.0 < self.kl_fraction <= 1.0):
+            raise ConfigError(f"loss.kl_fraction={self.kl_fraction!r} is invalid: expected a fraction in (0, 1]")
         if self.routing_layers not in ROUTING_LAYERS:
             raise ConfigError(f"loss.routing_layers={self.routing_layers!r} is invalid: expected "
                               f"{' or '.join(ROUTING_LAYERS)}")
@@ -77,60 +86,97 @@ def _cosine(a, b):
     return jnp.sum(a * b, -1) / (jnp.linalg.norm(a, axis=-1) * jnp.linalg.norm(b, axis=-1) + 1e-6)
 
 
-def distill_loss(base: ModelConfig, mcfg: M2R2Config, lcfg: LossConfig, base_params, m2r2_params, tokens):
-    """Returns (loss, metrics). metrics hold per-step agreement/KL/alignment as [K] arrays."""
+def kl_positions(lcfg: LossConfig, length: int, rng) -> Optional[jax.Array]:
+    """Sorted positions [n] the KL and decider terms score this step: a random `kl_fraction` of
+    the sequence (the same for every row), or None for all of them (no rng, or fraction 1)."""
+    if rng is None or lcfg.kl_fraction >= 1.0:
+        return None
+    n = max(1, int(round(length * lcfg.kl_fraction)))
+    return jnp.sort(jax.random.permutation(rng, length)[:n])
+
+
+def distill_loss(base: ModelConfig, mcfg: M2R2Config, lcfg: LossConfig, base_params, m2r2_params, tokens,
+                 rng=None, *, deciders: bool = True, teacher: Optional[F.Teacher] = None):
+    """Returns (loss, metrics). metrics hold per-step agreement/KL/alignment as [K] arrays.
+
+    The fast stream runs over every position (its attention needs them all) and the alignment
+    term covers them all; the vocabulary-sized work (both LM heads, the softmaxes, the KL, the
+    deciders' labels) is done at `kl_positions` only: with `loss.kl_fraction` 0.25 and a 49k
+    vocabulary that is most of a step's cost. `deciders=False` (the stream stage, whose trainable
+    parameters the decider terms never reach) leaves those terms and their inputs out.
+
+    `teacher`: the frozen base's outputs for `tokens` computed beforehand (`fast_stream.Teacher`,
+    e.g. once for a whole data set: `distill`'s `teacher_cache`); the loss is the same as when
+    they are computed here. Routing distillation (MoE bases) needs every layer's routing and
+    always runs the base here."""
     k = mcfg.steps(base)
     base_params = jax.lax.stop_gradient(base_params)  # frozen: no gradient path into the base
-    tf = F.train_forward(base, mcfg, base_params, m2r2_params, tokens)
-    temp = lcfg.temperature
-    logp_slow = jax.nn.log_softmax(tf.slow_logits / temp, axis=-1)
-    p_slow = jnp.exp(logp_slow)
-    top_slow = jnp.argmax(tf.slow_logits, axis=-1)
-    targets = tf.slow_hidden[jnp.asarray(F.visited_layers(base, mcfg)) + 1]  # h_{j_i}
-    prevs = jnp.concatenate([tf.g0[None], tf.states[:-1]], axis=0)
+    tf = None
+    if lcfg.lambda_routing > 0 and base.is_moe:
+        if teacher is not None:
+            raise ConfigError("a precomputed teacher does not hold the routing that loss.lambda_routing distils")
+        tf = F.train_forward(base, mcfg, base_params, m2r2_params, tokens, slow_logits=False)
+        teacher = F.Teacher(tf.g0, tf.slow_hidden[jnp.asarray(F.visited_layers(base, mcfg)) + 1], tf.slow_hidden[-1],
+                            None, None)
+        fast_states = tf.states
+    else:
+        teacher = F.teacher_outputs(base, mcfg, base_params, tokens) if teacher is None else teacher
+        fast_states = F.fast_train_states(base, mcfg, base_params, m2r2_params, teacher)
+    idx = kl_positions(lcfg, tokens.shape[1], rng)
 
-    # Rematerialised: the backward pass recomputes one step's [B, T, V] logits instead of keeping
-    # all K of them (at a 128k vocabulary they dominate the step's memory).
-    @jax.checkpoint
+    def pick(x):  # [..., T, d] -> [..., n, d]
+        return x if idx is None else jnp.take(x, idx, axis=-2)
+
+    temp = lcfg.temperature
+    slow_logits = jax.lax.stop_gradient(T.head(base, base_params, pick(teacher.final)))
+    logp_slow = jax.nn.log_softmax(slow_logits / temp, axis=-1)
+    p_slow = jnp.exp(logp_slow)
+    top_slow = jnp.argmax(slow_logits, axis=-1)
+    align = jnp.mean(1.0 - _cosine(F.normalize(base, fast_states), F.normalize(base, teacher.targets)), axis=(1, 2))
+    states = pick(fast_states)
+    prevs = jnp.concatenate([pick(teacher.g0)[None], states[:-1]], axis=0)
+
     def per_step(args):
-        i, g, gp, h = args
+        i, g, gp = args
         lg = F.exit_head_logits(base, mcfg, base_params, m2r2_params, i, g)
         kl = jnp.mean(jnp.sum(p_slow * (logp_slow - jax.nn.log_softmax(lg / temp, axis=-1)), -1)) * temp**2
-        align = jnp.mean(1.0 - _cosine(F.normalize(base, g), F.normalize(base, h)))
         label = (jnp.argmax(lg, -1) == top_slow).astype(jnp.float32)
-        scalars = jax.lax.stop_gradient(step_scalars(lg, g, gp))
-        return kl, align, label, scalars
+        scalars = jax.lax.stop_gradient(step_scalars(lg, g, gp)) if deciders else None
+        return kl, label, scalars
 
-    kl, align, labels, scalars = jax.lax.map(per_step, (jnp.arange(k), tf.states, prevs, targets))
+    # Rematerialised when large: the backward pass then recomputes one step's [B, n, V] logits
+    # instead of keeping all K of them (at a 128k vocabulary they dominate the step's memory);
+    # when they fit, keeping them saves a third of the heads' work.
+    if k * states.shape[1] * states.shape[2] * base.vocab_size * 4 > REMAT_LOGITS_BYTES:
+        per_step = jax.checkpoint(per_step)
+    kl, labels, scalars = jax.lax.map(per_step, (jnp.arange(k), states, prevs))
     w = _step_weights(k, lcfg.step_weights)
     loss = jnp.sum(w * (kl + lcfg.lambda_align * align))
     routing_kl = skipped_kl = None
-    if lcfg.lambda_routing > 0 and tf.moe_router_logits is not None:
+    if tf is not None and tf.moe_router_logits is not None:
         routing_kl = _routing_kl(tf.slow_router_logits[jnp.asarray(F.visited_layers(base, mcfg))], tf.moe_router_logits)
         loss = loss + lcfg.lambda_routing * jnp.sum(w * routing_kl)
         pairs = F.skipped_layer_states(base, mcfg) if lcfg.routing_layers == "predicted" else ()
         if pairs:
             skipped_kl = _skipped_routing_kl(base, base_params, tf, pairs)
             loss = loss + lcfg.lambda_routing * jnp.mean(skipped_kl)
-
-    # deciders, on stop-gradient states
-    states_sg = jax.lax.stop_gradient(tf.states)
-    z = jax.vmap(lambda i, g: F.router_project(base, mcfg, m2r2_params, i, g))(jnp.arange(k), states_sg)
-    router_logits = jax.vmap(lambda i, s: F.router_score(base, mcfg, m2r2_params, z, i, s))(jnp.arange(k), scalars)
-    mlp_logits = jax.vmap(lambda i, g: F.step_mlp_logit(base, mcfg, m2r2_params, i, g))(jnp.arange(k), states_sg)
     labels = jax.lax.stop_gradient(labels)
-    bce_router = jnp.mean(optax.sigmoid_binary_cross_entropy(router_logits, labels))
-    bce_mlp = jnp.mean(optax.sigmoid_binary_cross_entropy(mlp_logits, labels))
-    loss = loss + lcfg.lambda_router * (bce_router + bce_mlp)
     metrics = {
         "kl": jnp.sum(w * kl),
         "align": jnp.sum(w * align),
         "agreement_last": jnp.mean(labels[-1]),
         "agreement_per_step": jnp.mean(labels, axis=(1, 2)),
-        "router_bce": bce_router,
-        "router_acc": jnp.mean(((router_logits > 0) == (labels > 0.5)).astype(jnp.float32)),
-        "step_mlp_bce": bce_mlp,
     }
+    if deciders:  # on stop-gradient states: their loss never pulls on the adapters
+        states_sg = jax.lax.stop_gradient(states)
+        z = jax.vmap(lambda i, g: F.router_project(base, mcfg, m2r2_params, i, g))(jnp.arange(k), states_sg)
+        router_logits = jax.vmap(lambda i, s: F.router_score(base, mcfg, m2r2_params, z, i, s))(jnp.arange(k), scalars)
+        mlp_logits = jax.vmap(lambda i, g: F.step_mlp_logit(base, mcfg, m2r2_params, i, g))(jnp.arange(k), states_sg)
+        bce_router = jnp.mean(optax.sigmoid_binary_cross_entropy(router_logits, labels))
+        bce_mlp = jnp.mean(optax.sigmoid_binary_cross_entropy(mlp_logits, labels))
+        loss = loss + lcfg.lambda_router * (bce_router + bce_mlp)
+        metrics.update(router_bce=bce_router, step_mlp_bce=bce_mlp,
+                       router_acc=jnp.mean(((router_logits > 0) == (labels > 0.5)).astype(jnp.float32)))
     if routing_kl is not None:
         metrics["routing_kl"] = jnp.sum(w * routing_kl)
     if skipped_kl is not None:

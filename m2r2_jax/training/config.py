@@ -190,7 +190,9 @@ def validate_train(t) -> None:
         _fail("train.warmup_steps", t.warmup_steps, f"must be <= train.steps={t.steps}")
 
 
-def validate_data(d) -> None:
+def validate_data(d, model_tokenizer: bool = False) -> None:
+    """`model_tokenizer`: an empty data.tokenizer means the base checkpoint's own tokenizer
+    (distillation), not one trained here (pre-training, embedded corpus only)."""
     s = "data"
     _check_choice(d, s, "source", DATA_SOURCES)
     _check_int(d, s, "seq_len", 1)
@@ -212,7 +214,7 @@ def validate_data(d) -> None:
         _fail("data.tfds_name", d.tfds_name, "data.source=tfds needs a dataset name")
     if d.source == "embedded":
         _check_choice(d, s, "split", DATA_SPLITS)
-    if d.source != "embedded" and not d.tokenizer:
+    if d.source != "embedded" and not d.tokenizer and not model_tokenizer:
         _fail("data.tokenizer", d.tokenizer, f"data.source={d.source} needs a tokenizer file (only the embedded corpus trains its own)")
 
 

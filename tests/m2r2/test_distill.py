@@ -137,3 +137,27 @@ def test_cli_align_and_errors(tiny_base, tmp_path):
     assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
     r = _m2r2("align", f"--checkpoint={tmp_path / 'missing'}", f"--out={tmp_path / 'x'}")
     assert r.returncode == 2 and "Traceback" not in r.stderr and "missing" in r.stderr
+
+
+def test_teacher_cache_trains_like_the_uncached_run(tiny_base, tmp_path):
+    """teacher_cache=True runs the base once over the packed data set; the steps see the same
+    batches and the same loss as without the cache."""
+    root, cfg, params, _ = tiny_base
+    runs = {}
+    for cached in (False, True):
+        c = _cfg(root / "base")
+        text = tmp_path / "small.txt"  # a small, finite data set: a few dozen examples
+        text.write_text(embedded_split("train")[:3000])
+        c.data.update(dict(source="text", paths=(str(text),)))
+        c.teacher_cache = cached
+        c.loss.kl_fraction = 0.5
+        runs[cached] = distill(c, tmp_path / f"run_{cached}")
+    assert runs[True]["teacher_cache"]["examples"] > 2 and "teacher_cache" not in runs[False]
+    for stage in ("stream", "router"):
+        assert runs[True][stage]["first_loss"] == pytest.approx(runs[False][stage]["first_loss"], rel=1e-5)
+        assert runs[True][stage]["last_loss"] == pytest.approx(runs[False][stage]["last_loss"], rel=1e-4)
+    bad = _cfg(root / "base")
+    with bad.ignore_type():
+        bad.teacher_cache = "yes"
+    with pytest.raises(ConfigError, match="teacher_cache"):
+        distill(bad, tmp_path / "bad")

@@ -243,3 +243,39 @@ def test_moe_fast_mlp_options(fast_mlp):
     tf = F.train_forward(base, mcfg, bp, mp, toks)
     assert tf.moe_router_logits.shape == (mcfg.steps(base), 1, 5, base.n_experts)
     assert F.draft_cost_layers(base, mcfg) < F.draft_cost_layers(base, M2R2Config(**{**mcfg.to_dict(), "moe_fast_mlp": "experts"}))
+
+
+@pytest.mark.parametrize("family, schedule", [("llama", "strided"), ("qwen2", "consecutive"), ("mixtral", "strided")])
+def test_teacher_outputs_give_the_train_forward_states(family, schedule):
+    """The distillation loss runs the fast stream from `teacher_outputs` (the slow pass kept to h_b,
+    the targets, the final state and the visited layers' K/V): the same states, targets and
+    teacher logits as the one-pass `train_forward`."""
+    base, bp, mcfg, mp = _setup(family, schedule=schedule)
+    toks = jax.random.randint(jax.random.key(5), (2, 9), 0, base.vocab_size)
+    tf = F.train_forward(base, mcfg, bp, mp, toks)
+    teacher = F.teacher_outputs(base, mcfg, bp, toks)
+    vis = np.asarray(F.visited_layers(base, mcfg))
+    np.testing.assert_allclose(teacher.g0, tf.g0, atol=1e-6)
+    np.testing.assert_allclose(teacher.targets, tf.slow_hidden[vis + 1], atol=1e-6)
+    np.testing.assert_allclose(T.head(base, bp, teacher.final), tf.slow_logits, atol=1e-5)
+    np.testing.assert_allclose(F.fast_train_states(base, mcfg, bp, mp, teacher), tf.states, atol=1e-5)
+
+
+def test_kl_fraction_scores_a_fresh_subset_of_positions():
+    from m2r2_jax.m2r2 import losses as L
+
+    lc = L.LossConfig(kl_fraction=0.25)
+    a, b = (np.asarray(L.kl_positions(lc, 16, jax.random.key(s))) for s in (0, 1))
+    assert a.shape == (4,) and np.all(np.diff(a) > 0) and 0 <= a.min() and a.max() < 16
+    assert not np.array_equal(a, b)
+    assert L.kl_positions(lc, 16, None) is None and L.kl_positions(L.LossConfig(), 16, jax.random.key(0)) is None
+    with pytest.raises(ConfigError, match="kl_fraction"):
+        L.LossConfig(kl_fraction=0.0).validate()
+    # the loss at a fraction is the full loss's KL term over those positions only: with one position
+    # scored, it moves with the drawn position and stays finite
+    base, bp, mcfg, mp = _setup("llama")
+    toks = jax.random.randint(jax.random.key(6), (2, 8), 0, base.vocab_size)
+    full, _ = L.distill_loss(base, mcfg, L.LossConfig(), bp, mp, toks)
+    one = [float(L.distill_loss(base, mcfg, L.LossConfig(kl_fraction=0.125), bp, mp, toks, jax.random.key(s))[0])
+           for s in range(4)]
+    assert all(np.isfinite(one)) and len(set(one)) > 1 and float(full) not in one
