@@ -1,4 +1,5 @@
-"""Reading JSON files that users and other tools hand us (checkpoint metadata, config.json)."""
+"""Reading JSON files that users and other tools hand us (checkpoint metadata, config.json), and
+writing JSON-lines outputs all at once."""
 
 from __future__ import annotations
 
@@ -19,3 +20,12 @@ def read_json_object(path, error=CheckpointError) -> dict:
     if not isinstance(data, dict):
         raise error(f"{p} must hold a JSON object, got {type(data).__name__}")
     return data
+
+
+def write_jsonl_atomic(path, rows) -> None:
+    """One JSON object per line, written to a temporary file and renamed into place (the parent
+    directory is created)."""
+    from m2r2_jax.atomic import write_text_atomic
+
+    Path(path).absolute().parent.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(path, "".join(json.dumps(row) + "\n" for row in rows))

@@ -10,6 +10,7 @@ from pathlib import Path
 from m2r2_jax.data.prompt_files import read_prompt_file
 from m2r2_jax.errors import DataError
 
+MT_BENCH_CATEGORIES = ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities")
 PROMPT_SETS = {
     "mt_bench": "mt_bench.jsonl",
     "spec_bench": "spec_bench.jsonl",
@@ -46,3 +47,30 @@ def load_prompt_set(name_or_file: str) -> list:
     if not out:
         raise DataError(f"{name_or_file} holds no prompts")
     return out
+
+
+def prompt_categories(name_or_file: str):
+    """The category of every prompt of a shipped set that has them (Spec-Bench: mt_bench's eight
+    and translation, summarization, qa, math_reasoning, rag), in `load_prompt_set`'s order; None
+    for sets and files without categories."""
+    if name_or_file not in PROMPT_SETS:
+        return None
+    text = resources.files("m2r2_jax.data").joinpath("prompts", PROMPT_SETS[name_or_file]).read_text("utf-8")
+    cats = [json.loads(line).get("category") for line in text.splitlines() if line.strip()]
+    if not all(isinstance(c, str) for c in cats):
+        return None
+    if name_or_file == "spec_bench":  # Spec-Bench reports its 80 MT-Bench questions as one task
+        cats = ["mt_bench" if c in MT_BENCH_CATEGORIES else c for c in cats]
+    return cats
+
+
+def interleave_categories(categories) -> list:
+    """Indices that take the categories in turn (first of each, then second of each, ...), so
+    the first n prompts of a set grouped by category cover every category."""
+    groups: dict = {}
+    for i, c in enumerate(categories):
+        groups.setdefault(c, []).append(i)
+    order = []
+    for k in range(max(len(g) for g in groups.values())):
+        order += [g[k] for g in groups.values() if k < len(g)]
+    return order

@@ -383,8 +383,10 @@ def compare_methods(
     plan=None,
     draft_vocab=None,
     layer_loop: str = "auto",
+    eos_ids=None,
 ) -> dict:
-    """Greedy speculative decoding side by side with ar. Returns report["speculative"]. `gamma`:
+    """Greedy speculative decoding side by side with ar. Returns report["speculative"]. `eos_ids`:
+    every method stops an answer at any of these ids (None: answers run to max_new_tokens). `gamma`:
     one draft length for every method or {method: gamma} (see `bench.gamma`). `plan`: run every
     method sharded (`sharding.ShardingPlan`, e.g. the specdec preset). `draft_vocab`: the token
     ids m2r2_spec's and distance_spec's draft heads score (`decoding.draft_vocab`). `layer_loop`:
@@ -398,7 +400,7 @@ def compare_methods(
         if m == "two_model" and draft is None:
             continue
         engines[m] = api.build_engine(m, cfg, base_params, max_new_tokens=max_new_tokens, gamma=gamma_of(gamma, m),
-                                      m2r2=m2r2, draft=draft, plan=plan, layer_loop=layer_loop,
+                                      m2r2=m2r2, draft=draft, plan=plan, layer_loop=layer_loop, eos_ids=eos_ids,
                                       **vocab_option(m, draft_vocab))
     spec_engines = {m: e for m, e in engines.items() if m != "ar"}
     if progress:
@@ -436,6 +438,7 @@ def compare_methods(
             rec.update(mean_accepted_tokens=1.0, efficiency=1.0)
         else:
             rec["mean_accepted_tokens"] = float(np.mean([a for r in results for a in r.accepted]))
+            rec["accepted_per_answer"] = [float(np.mean(r.accepted)) if r.accepted else 1.0 for r in results]
             rec["gamma"] = eng.spec.gamma
             rec["acceptance_by_position"] = acceptance_by_position(results, rec["gamma"])
             rec["draft_cost_layers"] = float(eng.spec.drafter.cost_per_token())
@@ -465,6 +468,25 @@ def compare_methods(
         # hardware-independent prediction for a device where verifying gamma+1 tokens costs one step
         rec["ideal_speedup_if_verify_is_one_step"] = api.ideal_speedup(
             rec["mean_accepted_tokens"], rec["gamma"], rec["draft_cost_ratio_layers"])
+    return out
+
+
+def by_category(spec: dict, categories: Sequence[str]) -> dict:
+    """Spec-Bench's per-task view of a `compare_methods` result: for every category (one per
+    prompt, in order) and method, the mean per-answer tokens/s over that category's answers, its
+    ratio to ar's on the same answers, and the mean tokens per verification."""
+    out: dict = {}
+    ar = spec["ar"]["tokens_per_s_per_answer"]
+    for cat in dict.fromkeys(categories):
+        idx = [i for i, c in enumerate(categories) if c == cat]
+        row = {"n_prompts": len(idx)}
+        for m, rec in spec.items():
+            tps = float(np.mean([rec["tokens_per_s_per_answer"][i] for i in idx]))
+            cell = {"tokens_per_s": tps, "speedup_vs_ar": tps / float(np.mean([ar[i] for i in idx]))}
+            if "accepted_per_answer" in rec:
+                cell["mean_accepted_tokens"] = float(np.mean([rec["accepted_per_answer"][i] for i in idx]))
+            row[m] = cell
+        out[cat] = row
     return out
 
 
@@ -523,17 +545,17 @@ def distinct_token_fraction(results) -> float:
 def sampled_comparison(cfg, base_params, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
                        temperature: float, top_p: float = 1.0, gamma=4, m2r2=None, draft=None,
                        methods: Sequence[str] = ("ar", "m2r2_spec", "distance_spec"), repeats: int = 3,
-                       progress=None, plan=None, draft_vocab=None, layer_loop: str = "auto") -> dict:
+                       progress=None, plan=None, draft_vocab=None, layer_loop: str = "auto", eos_ids=None) -> dict:
     """Speed and acceptance with sampling, side by side with sampled ar. Speculative sampling is
     lossless in distribution (pinned by the decoding tests), so answers differ from ar's draw by
     draw and no identity is checked; the point is acceptance on text that does not loop. `gamma`,
-    `draft_vocab`, `layer_loop`: as in `compare_methods`."""
+    `draft_vocab`, `layer_loop`, `eos_ids`: as in `compare_methods`."""
     from m2r2_jax.bench.gamma import gamma_of
 
     width = max(len(p) for p in prompts)
     runners = {m: (api.build_engine(m, cfg, base_params, max_new_tokens=max_new_tokens, temperature=temperature,
                                     top_p=top_p, gamma=gamma_of(gamma, m), m2r2=m2r2, draft=draft, plan=plan,
-                                    layer_loop=layer_loop, **vocab_option(m, draft_vocab)), 0.5)
+                                    layer_loop=layer_loop, eos_ids=eos_ids, **vocab_option(m, draft_vocab)), 0.5)
                for m in methods}
     if progress:
         progress(f"speculative sampling (temperature {temperature}): {', '.join(methods)} side by side")

@@ -20,6 +20,8 @@ flags.DEFINE_string("m2r2", None, "M2R2 checkpoint (omit: fresh M2R2 parameters,
 flags.DEFINE_string("draft_checkpoint", None, "draft model for two_model (same vocabulary)")
 flags.DEFINE_string("prompts", "mt_bench", "prompt set name or a jsonl file")
 flags.DEFINE_integer("n_prompts", 16, "first N prompts of the set", lower_bound=1)
+flags.DEFINE_bool("stop_at_eos", True, "every method stops an answer at the tokenizer's end-of-sequence ids (as a chat "
+                  "model's answers end); --nostop_at_eos runs every answer to --max_new_tokens")
 flags.DEFINE_string("chat_template", "auto", "text prompts: auto (rendered as a user turn with the checkpoint's chat "
                     "template when it has one), none (raw text), or a template file (.jinja or tokenizer_config.json)")
 flags.DEFINE_integer("max_prompt_tokens", 256, "prompts are cut to their last N tokens", lower_bound=1)
@@ -87,6 +89,12 @@ def main(argv):
     candidates = G.parse_candidates(FLAGS.gamma_candidates)
     n_calib = FLAGS.calibration_prompts if gamma == "auto" else 0
     prompts = load_prompt_set(FLAGS.prompts)
+    from m2r2_jax.bench.prompts import interleave_categories, prompt_categories
+
+    categories = prompt_categories(FLAGS.prompts) if FLAGS.prompts == "spec_bench" else None
+    if categories is not None:  # the first --n_prompts then cover every task
+        order = interleave_categories(categories)
+        prompts, categories = [prompts[i] for i in order], [categories[i] for i in order]
     if n_calib and len(prompts) < FLAGS.n_prompts + n_calib:
         raise ConfigError(f"--gamma auto needs {n_calib} calibration prompts after the first --n_prompts="
                           f"{FLAGS.n_prompts} of {FLAGS.prompts}, which has {len(prompts)}")
@@ -137,12 +145,19 @@ def main(argv):
         return records
 
     gammas, tuning = G.resolve_gammas(gamma, methods, tune)
+    eos = None
+    if FLAGS.stop_at_eos:
+        from m2r2_jax.data.tokenizer import load_tokenizer
+        from m2r2_jax.models.checkpoint import tokenizer_path
+
+        tok_file = tokenizer_path(FLAGS.checkpoint)
+        eos = list(load_tokenizer(tok_file).eos_ids) if tok_file is not None else None
     spec = compare_methods(base_cfg, base_params, prompts, max_new_tokens=FLAGS.max_new_tokens, gamma=gammas,
                            m2r2=(mcfg, m2r2_params), draft=draft, methods=methods, batch_sizes=batch_sizes,
                            repeats=FLAGS.repeats, plan=plan, progress=say, draft_vocab=vocab,
-                           layer_loop=FLAGS.layer_loop)
+                           layer_loop=FLAGS.layer_loop, eos_ids=eos)
     report = {"device": device_summary(), "layer_loop": layer_loops, "prompts": FLAGS.prompts,
-              "n_prompts": len(prompts),
+              "n_prompts": len(prompts), "stop_ids": eos,
               "fresh_m2r2_params": fresh, "sharding": plan.describe() if plan else None, "m2r2": mcfg.to_dict(),
               "draft_vocab": None if vocab is None else {
                   "file": FLAGS.draft_vocab, "size": int(vocab.size),
@@ -152,11 +167,16 @@ def main(argv):
               "speculative": spec}
     if tuning:
         report["gamma_tuning"] = tuning
+    from m2r2_jax.bench.speculative import by_category
+
+    if categories is not None:  # the timed prompts are the first n_prompts of the interleaved set
+        report["speculative_by_category"] = by_category(spec, categories[:len(prompts)])
     if FLAGS.temperature > 0:
         report["speculative_sampled"] = sampled_comparison(
             base_cfg, base_params, prompts, max_new_tokens=FLAGS.max_new_tokens, temperature=FLAGS.temperature,
             top_p=FLAGS.top_p, gamma=gammas, m2r2=(mcfg, m2r2_params), draft=draft, methods=methods,
-            repeats=FLAGS.repeats, plan=plan, progress=say, draft_vocab=vocab, layer_loop=FLAGS.layer_loop)
+            repeats=FLAGS.repeats, plan=plan, progress=say, draft_vocab=vocab, layer_loop=FLAGS.layer_loop,
+            eos_ids=eos)
     report["targets"] = R.targets(report)
     out = Path(FLAGS.out)
     import jax

@@ -54,20 +54,11 @@ sharding_flags.define("specdec")
 FLAGS = flags.FLAGS
 
 
-def write_jsonl_atomic(path, rows) -> None:
-    import json
-    from pathlib import Path
-
-    from m2r2_jax.atomic import write_text_atomic
-
-    Path(path).absolute().parent.mkdir(parents=True, exist_ok=True)
-    write_text_atomic(path, "".join(json.dumps(row) + "\n" for row in rows))
-
-
 def main(argv):
     from m2r2_jax.data.tokenizer import load_tokenizer
     from m2r2_jax.decoding import api
     from m2r2_jax.decoding.sampling import Sampling
+    from m2r2_jax.json_files import write_jsonl_atomic
     from m2r2_jax.errors import ConfigError
     from m2r2_jax.models.checkpoint import load_config, load_fingerprint, load_model, tokenizer_path
 

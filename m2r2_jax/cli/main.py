@@ -17,6 +17,7 @@ VERBS = {
     "logits": ("logits", "base-model logits for int32 [B,T] tokens in a .npy file"),
     "pretrain": ("pretrain", "pre-train a base model from scratch (the embedded tiny default)"),
     "sample": ("sample", "sample text from a base model checkpoint"),
+    "distill-data": ("distill_data", "distillation data: the base's own answers to instruction prompts"),
     "distill": ("distill", "train M2R2 adapters, rates and router by self-distillation"),
     "align": ("align", "slow vs fast stream alignment against compute: JSON + PNG"),
     "generate": ("generate", "generate with ar, speculative or early-exit decoding"),
@@ -29,6 +30,15 @@ VERBS = {
 
 # verb -> the flag its first argument fills when that argument is not a flag (`m2r2 fetch NAME`)
 POSITIONAL = {"fetch": "name"}
+
+
+def underscored_flag(arg: str) -> str:
+    """`--max-new-tokens=8` -> `--max_new_tokens=8`: every verb takes its flags with either
+    spelling (flags are defined with underscores; values are left alone)."""
+    if not arg.startswith("--") or arg == "--":
+        return arg
+    name, eq, value = arg[2:].partition("=")
+    return "--" + name.replace("-", "_") + eq + value
 
 
 def usage() -> str:
@@ -55,7 +65,7 @@ def run(argv=None) -> None:
         raise
     from m2r2_jax.cli.common import run_verb
 
-    rest = argv[2:]
+    rest = [underscored_flag(a) for a in argv[2:]]
     if verb in POSITIONAL and rest and not rest[0].startswith("-"):
         rest = [f"--{POSITIONAL[verb]}={rest[0]}"] + rest[1:]
     run_verb(module.main, [f"m2r2 {verb}"] + rest)

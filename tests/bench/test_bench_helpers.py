@@ -160,3 +160,20 @@ def test_budget_layer_loops():
     for b in BUDGETS.values():
         for m in api.UNROLLABLE_METHODS + api.EXIT_METHODS:
             assert api.resolve_layer_loop(b.layer_loop, m) in ("scan", "unrolled")
+
+
+def test_spec_bench_categories_interleave_and_aggregate():
+    from m2r2_jax.bench.prompts import interleave_categories, prompt_categories
+    from m2r2_jax.bench.speculative import by_category
+
+    cats = prompt_categories("spec_bench")
+    assert set(cats) == {"mt_bench", "translation", "summarization", "qa", "math_reasoning", "rag"}
+    assert cats.count("mt_bench") == 80 and prompt_categories("koala") is None
+    order = interleave_categories(cats)
+    assert sorted(order) == list(range(len(cats))) and len({cats[i] for i in order[:6]}) == 6
+    spec = {"ar": {"tokens_per_s_per_answer": [10.0, 20.0, 30.0]},
+            "m2r2_spec": {"tokens_per_s_per_answer": [20.0, 20.0, 60.0], "accepted_per_answer": [2.0, 1.0, 3.0]}}
+    got = by_category(spec, ["a", "a", "b"])
+    assert got["a"]["n_prompts"] == 2 and got["a"]["m2r2_spec"]["speedup_vs_ar"] == pytest.approx(20 / 15)
+    assert got["a"]["m2r2_spec"]["mean_accepted_tokens"] == 1.5 and got["b"]["m2r2_spec"]["speedup_vs_ar"] == 2.0
+    assert got["b"]["ar"]["speedup_vs_ar"] == 1.0 and "mean_accepted_tokens" not in got["b"]["ar"]

@@ -86,6 +86,15 @@ CASES = [
     ("sample-too-many-tokens", "sample --checkpoint {base} --prompt x --max-new-tokens 1000", ["max_seq_len"], None),
     ("sample-huge-seed", "sample --checkpoint {base} --prompt x --seed 100000000000000000000000", ["--seed"], None),
     ("sample-positional", "sample --checkpoint {base} ROMEO", ["ROMEO"], None),
+    # distill-data
+    ("distill-data-no-checkpoint", "distill-data --out {out}", ["--checkpoint"], None),
+    ("distill-data-benchmark", "distill-data --checkpoint {base} --out {out} --prompts koala,mt_bench",
+     ["mt_bench", "benchmark"], None),
+    ("distill-data-ckpt-missing", "distill-data --checkpoint {missing} --out {out}", ["does_not_exist"], None),
+    ("distill-data-no-tokenizer", "distill-data --checkpoint {notok} --out {out}", ["tokenizer"], None),
+    ("distill-data-bad-set", "distill-data --checkpoint {base} --out {out} --prompts nosuchset", ["nosuchset"], None),
+    ("distill-data-zero-tokens", "distill-data --checkpoint {base} --out {out} --max_new_tokens 0",
+     ["max_new_tokens"], None),
     # distill
     ("distill-no-config", "distill --workdir={out}", ["config"], None),
     ("distill-base-missing", "distill --config={distill_cfg} --workdir={out} --config.base_checkpoint={missing}",
