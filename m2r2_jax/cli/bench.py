@@ -107,10 +107,16 @@ def main(argv):
         mcfg = dataclasses.replace(mcfg, kernel_implementation=FLAGS.kernel_implementation)
         mcfg.validate()
     draft = load_model(FLAGS.draft_checkpoint) if FLAGS.draft_checkpoint else None
+    from m2r2_jax.data.tokenizer import load_tokenizer
+    from m2r2_jax.models.checkpoint import tokenizer_path
+
+    tok_file = tokenizer_path(FLAGS.checkpoint)
+    tok = load_tokenizer(tok_file) if tok_file is not None else None
     if any(isinstance(p, str) for p in prompts):
         from m2r2_jax.data.chat_template import encode_prompt, resolve_chat_template
 
-        tok = required_tokenizer(FLAGS.checkpoint, "to encode text prompts with")
+        if tok is None:
+            tok = required_tokenizer(FLAGS.checkpoint, "to encode text prompts with")  # the one-line error
         template = resolve_chat_template(tok, FLAGS.chat_template)
         prompts = [encode_prompt(tok, p, template) if isinstance(p, str) else p for p in prompts]
     longest_draft = max(candidates) if gamma == "auto" else max(gamma.values()) if isinstance(gamma, dict) else gamma
@@ -146,13 +152,7 @@ def main(argv):
         return records
 
     gammas, tuning = G.resolve_gammas(gamma, methods, tune)
-    eos = None
-    if FLAGS.stop_at_eos:
-        from m2r2_jax.data.tokenizer import load_tokenizer
-        from m2r2_jax.models.checkpoint import tokenizer_path
-
-        tok_file = tokenizer_path(FLAGS.checkpoint)
-        eos = list(load_tokenizer(tok_file).eos_ids) if tok_file is not None else None
+    eos = list(tok.eos_ids) if FLAGS.stop_at_eos and tok is not None else None
     spec = compare_methods(base_cfg, base_params, prompts, max_new_tokens=FLAGS.max_new_tokens, gamma=gammas,
                            m2r2=(mcfg, m2r2_params), draft=draft, methods=methods, batch_sizes=batch_sizes,
                            repeats=FLAGS.repeats, plan=plan, progress=say, draft_vocab=vocab,

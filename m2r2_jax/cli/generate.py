@@ -10,8 +10,9 @@ tokenizer's end-of-sequence ids (generation_config.json's list and the eos token
 
 Each output line (same order) holds "tokens" (generated ids), "text" (their decoding; null
 without a tokenizer), "accepted" (per verification round: accepted drafts + 1; empty for
-non-speculative methods), "rounds", "layers" (decode-phase layer-equivalents) and "early_exits". Line i samples from its own stream `fold_in(key(seed), i)`, so results do not depend
-on --batch-size. Without --m2r2 the m2r2 methods use freshly initialised M2R2 parameters (still
+non-speculative methods), "rounds", "layers" (decode-phase layer-equivalents) and "early_exits".
+Line i samples from its own stream `fold_in(key(seed), i)`, so results do not depend on
+--batch-size. Without --m2r2 the m2r2 methods use freshly initialised M2R2 parameters (still
 lossless for m2r2_spec). The output file is written atomically.
 """
 

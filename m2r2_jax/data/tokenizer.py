@@ -135,16 +135,10 @@ _HF_SPECIAL = {
 
 def _json_beside(path: Path, name: str) -> dict:
     """A JSON object file next to the tokenizer file ({} when absent)."""
+    from m2r2_jax.json_files import read_json_object
+
     p = path.parent / name
-    if not p.is_file():
-        return {}
-    try:
-        data = json.loads(p.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise DataError(f"{p} is not valid JSON: {e}") from None
-    if not isinstance(data, dict):
-        raise DataError(f"{p} is not a JSON object")
-    return data
+    return read_json_object(p, DataError) if p.is_file() else {}
 
 
 class HFTokenizer(Tokenizer):

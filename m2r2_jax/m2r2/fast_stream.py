@@ -372,19 +372,31 @@ def train_forward(base: ModelConfig, mcfg: M2R2Config, base_params, m2r2_params,
     slow pass fills a KV cache that the fast steps read (train-mode attention). Without
     `slow_logits` the slow stream's LM head is skipped (`TrainForward.slow_logits` is None): the
     distillation loss applies it to the positions it scores only."""
-    b, t = tokens.shape
-    if positions is None:
-        positions = jnp.broadcast_to(jnp.arange(t)[None], (b, t))
+    positions = _whole_positions(tokens.shape, positions)
     base_params = jax.lax.stop_gradient(base_params)
-    cache = T.init_cache(base, b, t)
-    x0 = T.embed(base, base_params, tokens)
-    x, cache, layer_out, router_logits = T.run_layers(base, base_params, x0, positions, cache, collect=True)
+    x0, layer_out, x, cache, router_logits = _slow_pass(base, base_params, tokens, positions)
     logits = T.head(base, base_params, x) if slow_logits else None
-    aux = T.ForwardAux(jnp.concatenate([x0[None], layer_out], axis=0), router_logits)
-    slow_logits, hidden, cache = jax.lax.stop_gradient((logits, aux.hidden, cache))
+    hidden = jnp.concatenate([x0[None], layer_out], axis=0)
+    slow_logits, hidden, cache = jax.lax.stop_gradient((logits, hidden, cache))
     g0 = hidden[mcfg.branch_layer]
     _, _, states, z, rl, _ = _run_steps(base, mcfg, base_params, m2r2_params, g0, positions, cache, True, True)
-    return TrainForward(slow_logits, hidden, states, g0, z, rl, aux.router_logits)
+    return TrainForward(slow_logits, hidden, states, g0, z, rl, router_logits)
+
+
+def _whole_positions(shape, positions=None) -> jax.Array:
+    """Positions 0..T-1 of every row of a [B, T] batch of whole sequences, unless given."""
+    b, t = shape[:2]
+    return jnp.broadcast_to(jnp.arange(t)[None], (b, t)) if positions is None else positions
+
+
+def _slow_pass(base: ModelConfig, base_params, tokens, positions):
+    """The frozen base over whole sequences: (h_0 [B,T,d], every layer's output [L,B,T,d], h_N,
+    the filled KV cache, MoE router logits or None)."""
+    b, t = tokens.shape
+    x0 = T.embed(base, base_params, tokens)
+    x, cache, layer_out, router_logits = T.run_layers(base, base_params, x0, positions, T.init_cache(base, b, t),
+                                                      collect=True)
+    return x0, layer_out, x, cache, router_logits
 
 
 class Teacher(NamedTuple):
@@ -400,12 +412,8 @@ class Teacher(NamedTuple):
 
 def teacher_outputs(base: ModelConfig, mcfg: M2R2Config, base_params, tokens, positions=None) -> Teacher:
     """One pass of the frozen base over whole sequences, kept to what the fast steps read."""
-    b, t = tokens.shape
-    if positions is None:
-        positions = jnp.broadcast_to(jnp.arange(t)[None], (b, t))
-    base_params = jax.lax.stop_gradient(base_params)
-    x0 = T.embed(base, base_params, tokens)
-    x, cache, layer_out, _ = T.run_layers(base, base_params, x0, positions, T.init_cache(base, b, t), collect=True)
+    positions = _whole_positions(tokens.shape, positions)
+    x0, layer_out, x, cache, _ = _slow_pass(base, jax.lax.stop_gradient(base_params), tokens, positions)
     vis = jnp.asarray(visited_layers(base, mcfg))
     hidden_at = lambda i: x0 if i == 0 else layer_out[i - 1]  # noqa: E731  (h_i: after i layers)
     out = Teacher(hidden_at(mcfg.branch_layer), layer_out[vis], x, cache["k"][vis], cache["v"][vis])
@@ -417,8 +425,7 @@ def fast_train_states(base: ModelConfig, mcfg: M2R2Config, base_params, m2r2_par
     """The fast states g_1..g_K [K, B, T, d] from a `Teacher` (train-mode attention over the slow
     keys and values of each visited layer): the same states `train_forward` gives."""
     b, t = teacher.g0.shape[:2]
-    if positions is None:
-        positions = jnp.broadcast_to(jnp.arange(t)[None], (b, t))
+    positions = _whole_positions((b, t), positions)
     vis = jnp.asarray(visited_layers(base, mcfg))
     cache = T.init_cache(base, b, t, dtype=teacher.k.dtype)
     cache = {"k": cache["k"].at[vis].set(teacher.k), "v": cache["v"].at[vis].set(teacher.v)}
