@@ -15,6 +15,7 @@ REPORT_MD = ROOT / "docs" / "REPORT.md"
 # The code that writes report.json, moe_report.json and the records they embed.
 SOURCES = [
     "m2r2_jax/bench/demo.py",
+    "m2r2_jax/bench/demo_pretrained.py",
     "m2r2_jax/bench/report.py",
     "m2r2_jax/bench/speculative.py",
     "m2r2_jax/bench/gamma.py",
@@ -84,6 +85,14 @@ DEMO_KEYS = {
     "speedup_ge_{TARGET_SPEEDUP}_reachable_by_any_policy",
 }
 
+# what the default demo (bench/demo_pretrained.py) writes beyond the keys above
+PRETRAINED_DEMO_KEYS = {
+    "model", "base", "prompts", "stop_ids", "draft_vocab", "set", "n", "chat_template",
+    "name", "fingerprint", "source", "heldout_perplexity", "heldout_tokens", "heldout_text",
+    "sampled_repeats", "exit_repeats", "align_seq_len", "head_cost_layers", "checkpoint", "recipe",
+    "base_s", "m2r2_s", "file", "size", "coverage_of_ar_answers",
+}
+
 # the keys `m2r2 bench` adds to the demo's schema
 BENCH_KEYS = {"prompts", "n_prompts", "stop_ids", "fresh_m2r2_params", "sharding", "draft_vocab",
               "speculative_by_category", "coverage_of_ar_answers"}
@@ -130,7 +139,7 @@ def test_every_documented_key_is_written_by_the_code():
     assert not missing, f"documented in docs/REPORT.md but not found in {', '.join(SOURCES)}: {missing}"
 
 
-@pytest.mark.parametrize("keys", [DEMO_KEYS, BENCH_KEYS], ids=["demo", "bench"])
+@pytest.mark.parametrize("keys", [DEMO_KEYS, PRETRAINED_DEMO_KEYS, BENCH_KEYS], ids=["demo", "pretrained", "bench"])
 def test_every_key_written_is_documented(keys):
     undocumented = sorted(keys - set(documented_keys()))
     assert not undocumented, f"written to report.json but not documented in docs/REPORT.md: {undocumented}"
@@ -139,7 +148,7 @@ def test_every_key_written_is_documented(keys):
 def test_the_fixed_key_lists_are_real_keys():
     """DEMO_KEYS and BENCH_KEYS themselves must name keys the code writes (a renamed key fails here)."""
     code = names_in_code()
-    assert not sorted((DEMO_KEYS | BENCH_KEYS) - code)
+    assert not sorted((DEMO_KEYS | PRETRAINED_DEMO_KEYS | BENCH_KEYS) - code)
 
 
 def _markdown_files() -> list:

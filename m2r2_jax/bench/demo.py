@@ -13,10 +13,9 @@ Trained artifacts live in OUT/artifacts/<name>-<hash of their config>/ and are r
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
+import math
 import os
-import shutil
 import sys
 import time
 from pathlib import Path
@@ -25,6 +24,7 @@ from typing import Optional
 import jax
 
 from m2r2_jax.atomic import write_text_atomic
+from m2r2_jax.bench.artifacts import CONFIG_DIR, artifact, say
 from m2r2_jax.bench.compile_cache import child_env, persistent_cache
 from m2r2_jax.bench.cpu_cores import cores_in_use, device_summary
 from m2r2_jax.bench import report as R
@@ -32,7 +32,7 @@ from m2r2_jax.bench import speculative as S
 from m2r2_jax.data.corpus import embedded_split
 from m2r2_jax.data.tokenizer import load_tokenizer
 from m2r2_jax.decoding import api
-from m2r2_jax.errors import ConfigError, M2R2Error, Preempted
+from m2r2_jax.errors import ConfigError, M2R2Error
 from m2r2_jax.m2r2 import analysis
 from m2r2_jax.m2r2.checkpoint import load_m2r2
 from m2r2_jax.m2r2.distill import distill, heldout_batches
@@ -40,7 +40,6 @@ from m2r2_jax.models.checkpoint import load_model, params_fingerprint
 from m2r2_jax.training.config import load_config_file
 from m2r2_jax.training.pretrain import pretrain
 
-CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,35 +88,6 @@ BUDGETS = {
 
 XLA_CACHE = "xla_cache"  # under OUT/artifacts: the persistent compilation cache of the demo's programs
 SAMPLED_TEMPERATURE = 0.8  # the demo's sampled comparisons (text that does not loop)
-
-
-def _say(msg: str) -> None:
-    print(f"[demo] {msg}", file=sys.stderr, flush=True)
-
-
-def _hash(obj) -> str:
-    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:12]
-
-
-def _artifact(root: Path, name: str, cfg_json: dict, build, force: bool) -> Path:
-    """Run `build(workdir)` once per config; reuse its result (marked by DONE) afterwards. A build
-    that reports itself preempted (a training summary with "preempted": SIGTERM stopped it after a
-    checkpoint) is not done: `Preempted` is raised and a rerun resumes it from its checkpoints."""
-    key = f"{name}-{_hash(cfg_json)}"
-    workdir = root / key
-    done = workdir / "DONE"
-    if done.is_file() and not force:
-        _say(f"{name}: reusing {workdir}")
-        return workdir
-    if force and workdir.exists():
-        shutil.rmtree(workdir)
-    t0 = time.time()
-    summary = build(workdir)
-    if isinstance(summary, dict) and summary.get("preempted"):
-        at = f" at step {summary['step']}" if "step" in summary else ""
-        raise Preempted(f"{name} stopped{at}; its checkpoints are in {workdir}; rerun the same command to resume")
-    done.write_text(json.dumps({"seconds": time.time() - t0}))
-    return workdir
 
 
 def _pretrain_cfg(name: str, steps: int, budget: Budget, tokenizer: str = ""):
@@ -188,23 +158,23 @@ def _run_demo(out: Path, budget_name: str, budget: Budget, force: bool, skip_moe
     # 1. base models ---------------------------------------------------------------------
     t0 = time.time()
     dense_cfg = _pretrain_cfg("tiny_dense", budget.dense_steps, budget)
-    dense_dir = _artifact(arts, "dense", dense_cfg.to_dict(), lambda wd: pretrain(dense_cfg, wd), force)
+    dense_dir = artifact(arts, "dense", dense_cfg.to_dict(), lambda wd: pretrain(dense_cfg, wd), force)
     tok_file = str(dense_dir / "model" / "tokenizer" / "tokenizer.model")
     draft_cfg = _pretrain_cfg("tiny_draft", budget.draft_steps, budget, tok_file)
-    draft_dir = _artifact(arts, "draft", draft_cfg.to_dict(), lambda wd: pretrain(draft_cfg, wd), force)
+    draft_dir = artifact(arts, "draft", draft_cfg.to_dict(), lambda wd: pretrain(draft_cfg, wd), force)
     if not skip_moe:
         moe_cfg = _pretrain_cfg("tiny_moe", budget.moe_steps, budget, tok_file)
-        moe_dir = _artifact(arts, "moe", moe_cfg.to_dict(), lambda wd: pretrain(moe_cfg, wd), force)
+        moe_dir = artifact(arts, "moe", moe_cfg.to_dict(), lambda wd: pretrain(moe_cfg, wd), force)
     timings["pretrain_s"] = time.time() - t0
 
     # 2. M2R2 distillation ----------------------------------------------------------------
     t0 = time.time()
     dcfg = _distill_cfg("tiny_dense", dense_dir / "model", budget.distill_steps, budget.router_steps, budget)
-    m2r2_dir = _artifact(arts, "m2r2_dense", {**dcfg.to_dict(), "base": _read_fp(dense_dir)},
+    m2r2_dir = artifact(arts, "m2r2_dense", {**dcfg.to_dict(), "base": _read_fp(dense_dir)},
                          lambda wd: distill(dcfg, wd), force)
     if not skip_moe:
         mdcfg = _distill_cfg("tiny_moe", moe_dir / "model", budget.moe_distill_steps, budget.router_steps, budget)
-        m2r2_moe_dir = _artifact(arts, "m2r2_moe", {**mdcfg.to_dict(), "base": _read_fp(moe_dir)},
+        m2r2_moe_dir = artifact(arts, "m2r2_moe", {**mdcfg.to_dict(), "base": _read_fp(moe_dir)},
                                  lambda wd: distill(mdcfg, wd), force)
     timings["distill_s"] = time.time() - t0
 
@@ -220,7 +190,7 @@ def _run_demo(out: Path, budget_name: str, budget: Budget, force: bool, skip_moe
     report["sample"] = _sample(base_cfg, base_params, tok)
 
     t0 = time.time()
-    _say("alignment (slow vs fast stream against compute)")
+    say("alignment (slow vs fast stream against compute)")
     batches = heldout_batches(tok, budget.seq_len, budget.batch_size, budget.align_batches, embedded_split("heldout"))
     align = analysis.alignment(base_cfg, mcfg, base_params, m2r2_params, batches)
     align["fast_beats_slow_at_equal_compute"] = analysis.fast_beats_slow(align)
@@ -236,12 +206,17 @@ def _run_demo(out: Path, budget_name: str, budget: Budget, force: bool, skip_moe
                              gamma=gammas, m2r2=(mcfg, m2r2_params), draft=draft, batch_sizes=budget.batch_sizes,
                              repeats=budget.repeats, progress=_say, layer_loop=budget.layer_loop)
     report["speculative"] = spec
+    pre = report["models"]["base"]["pretrain"]
+    report["base"] = {"name": "tiny_dense (pre-trained here)", "params": report["models"]["base"]["params"],
+                      "fingerprint": fp, "heldout_perplexity": math.exp(pre["heldout_loss"]) if "heldout_loss" in pre
+                      else None, "heldout_text": "embedded corpus, held-out split",
+                      "distinct_token_fraction": spec["ar"]["distinct_token_fraction"]}
     # every method on the loop "auto" gives it (the one the benchmarks above used): on CPU ar runs
     # unrolled, its fastest loop there, so no speedup is measured against a slower plain decoder
     report["layer_loop"] = {m: api.resolve_layer_loop(budget.layer_loop, m)
                             for m in api.UNROLLABLE_METHODS + api.EXIT_METHODS}
     if budget_name == "full" and jax.default_backend() == "cpu" and cores_in_use() > 1:
-        _say("speculative: again pinned to one CPU core (m2r2 bench --cpu_cores 1, a fresh process)")
+        say("speculative: again pinned to one CPU core (m2r2 bench --cpu_cores 1, a fresh process)")
         report["speculative_one_core"] = _one_core_bench(out, dense_dir / "model", m2r2_dir / "m2r2", prompts,
                                                          budget, gammas)
     report["speculative_sampled"] = S.sampled_comparison(
@@ -249,7 +224,7 @@ def _run_demo(out: Path, budget_name: str, budget: Budget, force: bool, skip_moe
         gamma=gammas, m2r2=(mcfg, m2r2_params), repeats=budget.repeats, progress=_say,
         layer_loop=budget.layer_loop)
     # the answers loop (a young base), which flatters every drafter: acceptance on real text too
-    _say(f"speculative: the first round after {budget.context_prompts} held-out text windows")
+    say(f"speculative: the first round after {budget.context_prompts} held-out text windows")
     contexts = heldout_prompts(tok, budget.context_prompts, budget.prompt_len, phase=0.25)
     report["speculative_heldout_contexts"] = S.context_acceptance(base_cfg, base_params, contexts, gamma=gammas,
                                                                   m2r2=(mcfg, m2r2_params), draft=draft)
@@ -264,7 +239,7 @@ def _run_demo(out: Path, budget_name: str, budget: Budget, force: bool, skip_moe
 
     if not skip_moe:
         t0 = time.time()
-        _say("MoE ahead-of-time expert loading")
+        say("MoE ahead-of-time expert loading")
         from m2r2_jax.moe_offload.report import moe_report, write_plots
 
         moe_cfg_, moe_params = load_model(moe_dir / "model")
@@ -298,13 +273,13 @@ def _tune_gammas(base_cfg, base_params, m2r2, draft, tok, budget: Budget) -> tup
     from m2r2_jax.bench import gamma as G
 
     calib = heldout_prompts(tok, budget.calibration_prompts, budget.prompt_len, phase=0.5)
-    _say(f"draft lengths: acceptance at gamma {max(budget.gamma_candidates)} on {len(calib)} calibration prompts, "
+    say(f"draft lengths: acceptance at gamma {max(budget.gamma_candidates)} on {len(calib)} calibration prompts, "
          f"round costs at gamma {', '.join(map(str, budget.gamma_candidates))}, every method side by side")
     records = G.tune_gammas(S.SPEC_METHODS, base_cfg, base_params, calib, max_new_tokens=budget.max_new_tokens,
                             candidates=budget.gamma_candidates, m2r2=m2r2, draft=draft, bar="draft lengths",
                             layer_loop=budget.layer_loop)
     for m, rec in records.items():
-        _say("  " + G.format_choice(m, rec))
+        say("  " + G.format_choice(m, rec))
     return {m: rec["gamma"] for m, rec in records.items()}, records
 
 

@@ -53,10 +53,14 @@ def _base_quality_line(report: dict) -> str:
     """How far the base is trained, printed next to the speedups that depend on it: a young base's
     later layers change few of its predictions, so every self-drafter's acceptance is high on it
     and falls as the base learns (docs/RESULTS.md, "How the speedup depends on the base's training")."""
+    base = report.get("base") or {}
     pre = report.get("models", {}).get("base", {}).get("pretrain", {})
-    if "heldout_loss" not in pre:
+    if base.get("heldout_perplexity") is not None:
+        line = f"  base: {base['name']}, held-out perplexity {base['heldout_perplexity']:.1f} ({base['heldout_text']})"
+    elif "heldout_loss" in pre:
+        line = f"  base: held-out loss {pre['heldout_loss']:.2f} nats/token after {pre.get('step', '?')} pre-training steps"
+    else:
         return ""
-    line = f"  base: held-out loss {pre['heldout_loss']:.2f} nats/token after {pre.get('step', '?')} pre-training steps"
     slow = report.get("alignment", {}).get("slow_agreement")
     if slow:
         half = len(slow) // 2

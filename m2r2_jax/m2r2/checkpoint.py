@@ -2,7 +2,10 @@
 
     DIR/m2r2_config.json   M2R2Config
     DIR/base.json          the base model's config and fingerprint
-    DIR/params/            orbax checkpoint of the M2R2 parameters
+    DIR/params/            orbax checkpoint of the M2R2 parameters, or
+    DIR/params.safetensors the same tree flattened ("adapters/q_proj/A", ...) in float16: the
+                           portable form, small enough to ship with the project
+                           (`export_portable`; m2r2_jax/pretrained/ holds such checkpoints)
 
 Loading onto another base (different config or weights) is refused with one clear line.
 """
@@ -13,6 +16,7 @@ import json
 from pathlib import Path
 
 import jax
+import numpy as np
 
 from m2r2_jax.atomic import atomic_directory
 from m2r2_jax.errors import CheckpointError, ConfigError
@@ -25,6 +29,8 @@ from m2r2_jax.models.config import ModelConfig
 CONFIG_FILE = "m2r2_config.json"
 BASE_FILE = "base.json"
 PARAMS_DIR = "params"
+PORTABLE_FILE = "params.safetensors"
+PORTABLE_DTYPE = np.float16  # adapters, rates and router weights are O(1e-3..10): float16 keeps ~3 digits
 
 
 def save_m2r2(directory, mcfg: M2R2Config, params, base_cfg: ModelConfig, base_fingerprint: str, overwrite: bool = True) -> Path:
@@ -64,4 +70,54 @@ def load_m2r2(directory, base_cfg: ModelConfig, base_fingerprint: str):
     except ConfigError as e:
         raise CheckpointError(f"{directory}: {e}") from None
     abstract = jax.eval_shape(lambda: init_m2r2_params(base_cfg, mcfg, jax.random.key(0)))
+    if (directory / PORTABLE_FILE).is_file():
+        return mcfg, _read_portable(directory / PORTABLE_FILE, abstract)
     return mcfg, restore_pytree(directory / PARAMS_DIR, abstract, "M2R2 parameters")
+
+
+def _flat_name(path) -> str:
+    return "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
+
+
+def export_portable(src, dst, base_cfg: ModelConfig, base_fingerprint: str, overwrite: bool = False) -> Path:
+    """Copy the M2R2 checkpoint `src` to `dst` in the portable form (params.safetensors, float16),
+    after checking it belongs to the base. Values float16 cannot hold are refused, not clipped."""
+    from safetensors.numpy import save_file
+
+    mcfg, params = load_m2r2(src, base_cfg, base_fingerprint)
+    flat = {}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+        a = np.asarray(jax.device_get(leaf), np.float32)
+        if a.size and np.abs(a).max() > np.finfo(PORTABLE_DTYPE).max:
+            raise CheckpointError(f"{_flat_name(path)} of {src} holds values beyond float16's range; keep the orbax form")
+        flat[_flat_name(path)] = a.astype(PORTABLE_DTYPE)
+    with atomic_directory(dst, overwrite) as tmp:
+        save_file(flat, str(tmp / PORTABLE_FILE))
+        (tmp / CONFIG_FILE).write_text(mcfg.to_json())
+        (tmp / BASE_FILE).write_text(json.dumps({"fingerprint": base_fingerprint, "config": base_cfg.to_dict()}, indent=2))
+    return Path(dst).absolute()
+
+
+def _read_portable(path: Path, abstract):
+    """The tree `abstract` describes, read from a portable file (names and shapes checked, cast to
+    the abstract dtypes)."""
+    from safetensors import SafetensorError
+    from safetensors.numpy import load_file
+
+    try:
+        flat = load_file(str(path))
+    except (SafetensorError, OSError, ValueError) as e:
+        raise CheckpointError(f"cannot read M2R2 parameters from {path}: {str(e).splitlines()[0][:200]}") from None
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(abstract)
+    names = [_flat_name(p) for p, _ in leaves]
+    missing, extra = sorted(set(names) - set(flat)), sorted(set(flat) - set(names))
+    if missing or extra:
+        what = f"missing {missing[0]}" if missing else f"unexpected {extra[0]}"
+        raise CheckpointError(f"M2R2 parameters in {path} do not fit the config: {what}")
+    out = []
+    for name, (_, leaf) in zip(names, leaves):
+        if flat[name].shape != tuple(leaf.shape):
+            raise CheckpointError(f"M2R2 parameters in {path}: {name} has shape {flat[name].shape}, "
+                                  f"the config needs {tuple(leaf.shape)}")
+        out.append(jax.device_put(flat[name].astype(leaf.dtype)))
+    return jax.tree_util.tree_unflatten(treedef, out)

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from m2r2_jax.bench import demo
+from m2r2_jax.bench import artifacts
 from m2r2_jax.errors import Preempted
 
 
@@ -27,25 +27,25 @@ def _stage(summary, built=None):
 
 def test_a_preempted_stage_is_not_marked_done(tmp_path):
     cfg = {"steps": 3}
-    workdir = tmp_path / f"dense-{demo._hash(cfg)}"
+    workdir = tmp_path / f"dense-{artifacts.config_hash(cfg)}"
     with pytest.raises(Preempted, match=r"dense stopped at step 7; its checkpoints are in .*rerun the same command"):
-        demo._artifact(tmp_path, "dense", cfg, _stage({"preempted": True, "step": 7}), force=False)
+        artifacts.artifact(tmp_path, "dense", cfg, _stage({"preempted": True, "step": 7}), force=False)
     assert not (workdir / "DONE").exists()
     # the rerun builds again (resuming from the stage's checkpoints), then marks it done ...
     built = []
-    assert demo._artifact(tmp_path, "dense", cfg, _stage({"preempted": False}, built), False) == workdir
+    assert artifacts.artifact(tmp_path, "dense", cfg, _stage({"preempted": False}, built), False) == workdir
     assert built == [workdir] and (workdir / "DONE").is_file()
     # ... and only then is it reused
-    assert demo._artifact(tmp_path, "dense", cfg, lambda wd: pytest.fail("rebuilt a finished stage"), False) == workdir
+    assert artifacts.artifact(tmp_path, "dense", cfg, lambda wd: pytest.fail("rebuilt a finished stage"), False) == workdir
     # builds that return no summary (or no preemption flag) are done as before
-    assert (demo._artifact(tmp_path, "other", cfg, _stage(None), False) / "DONE").is_file()
+    assert (artifacts.artifact(tmp_path, "other", cfg, _stage(None), False) / "DONE").is_file()
 
 
 def test_sigterm_during_pretraining_exits_143_without_marking_it_done(tmp_path):
     out = tmp_path / "demo"
     env = dict(os.environ, JAX_PLATFORMS="cpu")
-    proc = subprocess.Popen([sys.executable, "-m", "m2r2_jax.cli.main", "demo", "--budget=tiny", "--skip_moe",
-                             f"--out={out}"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    proc = subprocess.Popen([sys.executable, "-m", "m2r2_jax.cli.main", "demo", "--model=tiny", "--budget=tiny",
+                             "--skip_moe", f"--out={out}"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     deadline = time.time() + 240
     while not list((out / "artifacts").glob("dense-*/tb")) and proc.poll() is None and time.time() < deadline:
         time.sleep(0.2)

@@ -226,7 +226,12 @@ CASES = [
     ("demo-out-in-file", "demo --out {file}/demo --budget tiny", ["a_file"], None),
     ("demo-positional", "demo junk --out {out}", ["junk"], None),
     ("demo-bool-value", "demo --out {out} --skip_moe=maybe", ["skip_moe"], None),
-    ("demo-dense-steps-zero", "demo --out {out} --budget tiny --dense_steps 0", ["--dense_steps", "positive"], None),
+    ("demo-dense-steps-zero", "demo --model tiny --out {out} --budget tiny --dense_steps 0", ["--dense_steps",
+                                                                                             "positive"], None),
+    ("demo-model-unknown", "demo --model gpt5 --out {out}", ["--model='gpt5'", "smollm2-135m-instruct"], None),
+    ("demo-dense-steps-pretrained", "demo --out {out} --dense_steps 5", ["--dense_steps", "--model tiny"], None),
+    ("demo-distill-steps-no-distill", "demo --out {out} --distill_steps 5", ["--distill_steps needs --distill"], None),
+    ("demo-distill-tiny", "demo --model tiny --distill --out {out}", ["--distill", "pretrained"], None),
     ("demo-distill-steps-text", "demo --out {out} --distill_steps many", ["distill_steps"], None),
     # aot-check (the sharding verb)
     ("aot-check-no-model", "aot-check --out {out}.json", ["--model"], None),

@@ -1,0 +1,147 @@
+"""The main job on a pretrained model, end to end on a tiny GGUF file: convert, the distillation
+data (the base's own chat answers), a few distillation steps with a recipe, then every
+measurement side by side on MT-Bench prompts rendered with the chat template. The shipped M2R2
+parameters load in their portable form and are refused on any other base."""
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "interop"))  # the GGUF fixtures
+
+from m2r2_jax import pretrained  # noqa: E402
+from m2r2_jax.errors import CheckpointError, ConfigError  # noqa: E402
+from m2r2_jax.m2r2.checkpoint import export_portable, load_m2r2, save_m2r2  # noqa: E402
+from m2r2_jax.m2r2.config import M2R2Config  # noqa: E402
+from m2r2_jax.m2r2.fast_stream import init_m2r2_params  # noqa: E402
+from m2r2_jax.models.transformer import init_params  # noqa: E402
+
+from conftest import tiny_config  # noqa: E402
+
+RECIPE = {"train.steps": 3, "train.warmup_steps": 1, "train.batch_size": 8, "train.checkpoint_every": 3,
+          "router_train.steps": 2, "router_train.warmup_steps": 1, "router_train.batch_size": 8,
+          "router_train.checkpoint_every": 2, "data.seq_len": 32}
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory):
+    gh = pytest.importorskip("gguf_helpers")
+    from hf_helpers import build_hf
+
+    vocab = gh.train_bpe("default", 300)
+    model = build_hf("llama_linear", vocab_size=len(vocab[1]), hidden_size=64, intermediate_size=64, head_dim=16,
+                     num_hidden_layers=4, max_position_embeddings=512,
+                     rope_parameters={"rope_type": "default", "rope_theta": 500.0})
+    return gh.write_gguf(tmp_path_factory.mktemp("gguf") / "tiny.gguf", model, qtype="Q8_0", tokenizer=vocab)
+
+
+def test_distill_and_measure_from_a_gguf_file(tmp_path, tiny_gguf):
+    from m2r2_jax.bench.demo_pretrained import DemoModel, run_pretrained_demo
+
+    spec = DemoModel("tiny-gguf", "tiny_dense", data_max_new_tokens=12, data_max_prompts=3, draft_vocab_size=64)
+    report = run_pretrained_demo(tmp_path / "demo", budget_name="tiny", distill=True, gguf=str(tiny_gguf),
+                                 spec=spec, recipe_overrides=RECIPE)
+    arts = tmp_path / "demo" / "artifacts"
+    rows = [json.loads(x) for x in next(arts.glob("distill_data-*")).joinpath("answers.jsonl").read_text().splitlines()]
+    assert 6 <= len(rows) <= 9 and all("<|im_start|>assistant\n" in r["text"] for r in rows)  # chat template applied
+    assert {r["set"] for r in rows} == {"self_instruct", "koala", "wizardlm"}
+    summary = report["models"]["m2r2"]["recipe"]["distill_summary"]
+    assert summary["stream"]["step"] == 3 and summary["router"]["step"] == 2
+    assert summary["base_fingerprint_after"] == report["base"]["fingerprint"]
+
+    base = report["base"]
+    assert base["name"] == "tiny-gguf" and math.isfinite(base["heldout_perplexity"]) and base["heldout_perplexity"] > 1
+    assert 0 < base["distinct_token_fraction"] <= 1
+    spec_rec = report["speculative"]
+    assert set(spec_rec) == {"ar", "m2r2_spec", "distance_spec"}
+    for m in ("m2r2_spec", "distance_spec"):
+        assert spec_rec[m]["identical_to_ar"] is True  # lossless on the real pipeline's prompts
+        assert spec_rec[m]["gamma"] == 3
+    assert report["draft_vocab"]["size"] == 64 and 0 < report["draft_vocab"]["coverage_of_ar_answers"] <= 1
+    assert report["prompts"] == {"set": "mt_bench", "n": 2, "chat_template": True}
+    assert set(report["speculative_sampled"]) >= {"ar", "m2r2_spec", "distance_spec", "temperature"}
+    assert [r["threshold"] for r in report["early_exit"]["m2r2_exit"]] == [0.9]
+    al = report["alignment"]
+    assert len(al["fast_agreement"]) == len(al["fast_cost"]) and al["tokens"] >= 64
+    assert set(report["targets"]) >= {"m2r2_spec_speedup_ge_1.5", "fast_above_slow_at_equal_compute"}
+    assert json.loads((tmp_path / "demo" / "report.json").read_text())["base"]["name"] == "tiny-gguf"
+    assert (tmp_path / "demo" / "alignment.png").is_file()
+
+
+def test_a_bad_recipe_override_is_one_line(tmp_path, tiny_gguf):
+    from m2r2_jax.bench.demo_pretrained import DemoModel, run_pretrained_demo
+
+    spec = DemoModel("tiny-gguf", "tiny_dense", data_max_new_tokens=4, data_max_prompts=1)
+    with pytest.raises(ConfigError, match="recipe override 'train.stepz': no field 'stepz'"):
+        run_pretrained_demo(tmp_path, distill=True, gguf=str(tiny_gguf), spec=spec, recipe_overrides={"train.stepz": 1})
+    with pytest.raises(ConfigError, match="--model='nosuch' is invalid"):
+        run_pretrained_demo(tmp_path, model="nosuch")
+    with pytest.raises(ConfigError, match="GGUF file .* does not exist"):
+        run_pretrained_demo(tmp_path, gguf=str(tmp_path / "missing.gguf"))
+
+
+def _tiny_m2r2(tmp_path):
+    cfg = tiny_config()
+    params = init_params(cfg, jax.random.key(0))
+    mcfg = M2R2Config(branch_layer=1, rate=2, lora_rank=4).validate(cfg)
+    m2r2 = jax.tree.map(lambda a: a + 0.01 * jax.random.normal(jax.random.key(1), a.shape, a.dtype),
+                        init_m2r2_params(cfg, mcfg, jax.random.key(2)))
+    save_m2r2(tmp_path / "orbax", mcfg, m2r2, cfg, "fp-a")
+    return cfg, mcfg, m2r2
+
+
+def test_portable_form_round_trips_in_float16(tmp_path):
+    cfg, mcfg, m2r2 = _tiny_m2r2(tmp_path)
+    dst = export_portable(tmp_path / "orbax", tmp_path / "portable", cfg, "fp-a")
+    assert (dst / "params.safetensors").is_file() and not (dst / "params").exists()
+    mcfg2, back = load_m2r2(dst, cfg, "fp-a")
+    assert mcfg2 == mcfg
+    for a, b in zip(jax.tree.leaves(m2r2), jax.tree.leaves(back)):
+        assert b.dtype == a.dtype and b.shape == a.shape
+        np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-3, atol=1e-6)
+    with pytest.raises(CheckpointError, match="belongs to another base model"):
+        load_m2r2(dst, cfg, "fp-b")
+
+
+def test_portable_form_refuses_missing_or_misshapen_names(tmp_path):
+    from safetensors.numpy import load_file, save_file
+
+    cfg, _, _ = _tiny_m2r2(tmp_path)
+    dst = export_portable(tmp_path / "orbax", tmp_path / "portable", cfg, "fp-a")
+    flat = load_file(str(dst / "params.safetensors"))
+    name = sorted(flat)[0]
+    save_file({k: v for k, v in flat.items() if k != name}, str(dst / "params.safetensors"))
+    with pytest.raises(CheckpointError, match=f"do not fit the config: missing {name}"):
+        load_m2r2(dst, cfg, "fp-a")
+    save_file({**flat, name: flat[name][..., :1]}, str(dst / "params.safetensors"))
+    with pytest.raises(CheckpointError, match=f"{name} has shape"):
+        load_m2r2(dst, cfg, "fp-a")
+    (dst / "params.safetensors").write_bytes(b"not safetensors")
+    with pytest.raises(CheckpointError, match="cannot read M2R2 parameters"):
+        load_m2r2(dst, cfg, "fp-a")
+
+
+def test_shipped_parameters_are_complete_and_refused_on_another_base():
+    assert pretrained.shipped() == ["smollm2-135m-instruct"]
+    d = pretrained.pretrained_dir("smollm2-135m-instruct")
+    rec = pretrained.recipe("smollm2-135m-instruct")
+    assert {"commands", "recipe", "seconds", "distill_summary", "gamma", "base_fingerprint"} <= set(rec)
+    base = json.loads((d / "base.json").read_text())
+    assert base["fingerprint"] == rec["base_fingerprint"] == rec["distill_summary"]["base_fingerprint"]
+    assert json.loads((d / "draft_vocab.json").read_text())["vocab_size"] == base["config"]["vocab_size"]
+    # the recipe the shipped parameters came from still describes them
+    from m2r2_jax.training.config import load_config_file
+    from m2r2_jax.bench.artifacts import CONFIG_DIR
+
+    cfg = load_config_file(CONFIG_DIR / "m2r2" / "smollm2_135m.py")
+    assert M2R2Config.from_dict(json.loads((d / "m2r2_config.json").read_text())) == \
+        M2R2Config.from_dict(cfg.m2r2.to_dict())
+    with pytest.raises(CheckpointError, match="trained on a different base architecture"):
+        load_m2r2(d, tiny_config(), "whatever")
+    with pytest.raises(ConfigError, match="no shipped M2R2 parameters for 'nosuch'.*m2r2 demo --distill"):
+        pretrained.pretrained_dir("nosuch")
