@@ -16,6 +16,7 @@ REPORT_MD = ROOT / "docs" / "REPORT.md"
 SOURCES = [
     "m2r2_jax/bench/demo.py",
     "m2r2_jax/bench/demo_pretrained.py",
+    "m2r2_jax/bench/roofline.py",
     "m2r2_jax/bench/report.py",
     "m2r2_jax/bench/speculative.py",
     "m2r2_jax/bench/gamma.py",
@@ -91,6 +92,8 @@ PRETRAINED_DEMO_KEYS = {
     "name", "fingerprint", "source", "heldout_perplexity", "heldout_tokens", "heldout_text",
     "sampled_repeats", "exit_repeats", "align_seq_len", "head_cost_layers", "checkpoint", "recipe",
     "base_s", "m2r2_s", "file", "size", "coverage_of_ar_answers",
+    "ar_roofline", "weight_bytes_per_token", "copy_bandwidth", "bytes_per_s", "spread", "buffer_bytes", "threads",
+    "bound_tokens_per_s", "ar_tokens_per_s", "fraction_of_bound",
 }
 
 # the keys `m2r2 bench` adds to the demo's schema

@@ -26,9 +26,9 @@ def get_config():
     cfg = distill_config()
     cfg.m2r2.update(dict(branch_layer=2, rate=4, schedule="strided", lora_rank=32, lora_alpha=32.0, router_dim=32,
                          router_hidden=32))
-    cfg.loss.update(dict(kl_fraction=0.25))
+    cfg.loss.update(dict(kl_fraction=0.25, step_weights="increasing"))
     cfg.teacher_cache = True
-    cfg.train.update(dict(steps=300, batch_size=8, learning_rate=2e-3, warmup_steps=20, checkpoint_every=100))
+    cfg.train.update(dict(steps=600, batch_size=8, learning_rate=2e-3, warmup_steps=20, checkpoint_every=100))
     cfg.router_train.update(dict(steps=60, batch_size=8, learning_rate=3e-3, warmup_steps=6, checkpoint_every=60))
     cfg.data.update(dict(source="jsonl", paths=("data/smollm2_answers.jsonl",), text_field="text", seq_len=128))
     return cfg

@@ -37,6 +37,7 @@ from m2r2_jax.errors import ConfigError
 DEFAULT_MODEL = "smollm2-135m-instruct"
 PROMPT_SET = "mt_bench"  # never in the distillation data (m2r2.distill_data refuses benchmark sets)
 SAMPLED_TEMPERATURE = 0.8
+DEFAULT_GAMMA = 3  # draft length when a recipe records none (the shipped one records its measured best)
 XLA_CACHE = "xla_cache"
 
 
@@ -131,7 +132,7 @@ def _run(out: Path, spec: DemoModel, budget_name: str, budget: PretrainedBudget,
     from m2r2_jax.decoding import draft_vocab as DV
 
     vocab = DV.load(vocab_file, base_cfg.vocab_size) if vocab_file and Path(vocab_file).is_file() else None
-    gamma = int(recipe.get("gamma", 3))
+    gamma = int(recipe.get("gamma", DEFAULT_GAMMA))
     eos = list(tok.eos_ids)
     prompts, template = _prompts(tok, base_cfg, budget, gamma)
     m2r2 = (mcfg, m2r2_params)
@@ -151,6 +152,9 @@ def _run(out: Path, spec: DemoModel, budget_name: str, budget: PretrainedBudget,
     if vocab is not None:
         report["draft_vocab"]["coverage_of_ar_answers"] = DV.coverage(
             DV.count_tokens(spec_rec["ar"]["answers"], base_cfg.vocab_size), vocab)
+    from m2r2_jax.bench.roofline import ar_roofline
+
+    report["ar_roofline"] = ar_roofline(base_cfg, base_params, spec_rec["ar"]["tokens_per_s"])
     report["base"] = base_quality(spec.name, base_cfg, base_params, tok, spec_rec["ar"], provenance, fp)
     if budget.sampled_repeats:
         report["speculative_sampled"] = S.sampled_comparison(
@@ -236,6 +240,7 @@ def _distill_here(arts: Path, spec: DemoModel, base_dir: Path, fp: str, override
     from m2r2_jax.m2r2.distill import distill
     from m2r2_jax.training.config import load_config_file
 
+    t0 = time.time()
     data_key = {"base": fp, "max_new_tokens": spec.data_max_new_tokens, "max_prompts": spec.data_max_prompts}
     data_dir = artifact(arts, "distill_data", data_key, lambda wd: _make_data(wd, base_dir, spec), force)
     cfg = load_config_file(CONFIG_DIR / "m2r2" / f"{spec.recipe}.py")
@@ -243,11 +248,18 @@ def _distill_here(arts: Path, spec: DemoModel, base_dir: Path, fp: str, override
     cfg.data.paths = (str(data_dir / "answers.jsonl"),)
     for key, value in overrides.items():
         _set_dotted(cfg, key, value)
-    t0 = time.time()
     wd = artifact(arts, "m2r2", {**cfg.to_dict(), "base": fp}, lambda wd: distill(cfg, wd), force)
     summary = json.loads((wd / "distill_summary.json").read_text())
-    rec = {"made_by": "m2r2 demo --distill", "recipe": f"configs/m2r2/{spec.recipe}.py", "overrides": overrides,
-           "seconds": time.time() - t0, "distill_summary": summary}
+    steps = f" --distill_steps {overrides['train.steps']}" if "train.steps" in overrides else ""
+    rec = {"commands": [f"m2r2 demo --model {spec.name} --distill{steps}"], "recipe": f"configs/m2r2/{spec.recipe}.py",
+           "overrides": overrides, "seconds": {"distill_data_and_distill": time.time() - t0},
+           "distill_summary": summary, "gamma": DEFAULT_GAMMA}
+    from m2r2_jax import pretrained
+
+    # the form m2r2_jax/pretrained/ ships, ready to copy there
+    shipped = pretrained.write_shipped(arts.parent / "shipped" / spec.name, wd / "m2r2", base_dir, rec,
+                                       data_dir / "draft_vocab.json", overwrite=True)
+    say(f"M2R2 parameters in the shipped form: {shipped}")
     return wd / "m2r2", data_dir / "draft_vocab.json", rec
 
 

@@ -148,6 +148,11 @@ def table(report: dict) -> str:
                                 f"{spec[m]['ideal_speedup_decode_only']:.2f}x, efficiency "
                                 f"{spec[m]['efficiency_decode_only']:.2f}"
                                 if "t_prefill" in c and "ideal_speedup_decode_only" in spec[m] else ""))
+    roof = report.get("ar_roofline")
+    if roof:
+        lines.append(f"  ar: {roof['ar_tokens_per_s']:.1f} tok/s = {roof['fraction_of_bound']:.0%} of the weight-streaming "
+                     f"bound {roof['bound_tokens_per_s']:.1f} tok/s ({roof['weight_bytes_per_token'] / 1e6:.0f} MB of "
+                     f"weights per token at {roof['copy_bandwidth']['bytes_per_s'] / 1e9:.1f} GB/s measured copy bandwidth)")
     al = report.get("alignment")
     if al:
         lines += ["", "alignment: top-1 agreement with the final output at compute (layers)"]

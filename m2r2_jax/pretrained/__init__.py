@@ -42,3 +42,25 @@ def pretrained_dir(name: str) -> Path:
 
 def recipe(name: str) -> dict:
     return read_json_object(pretrained_dir(name) / RECIPE_FILE)
+
+
+def write_shipped(dst, m2r2_dir, base_dir, recipe_record: dict, draft_vocab_file, overwrite: bool = False) -> Path:
+    """Write the shipped form of a distilled M2R2 checkpoint into `dst` (a folder like those
+    under m2r2_jax/pretrained/): the portable checkpoint, the draft vocabulary and recipe.json
+    (`recipe_record` plus the base fingerprint). `m2r2 demo --distill` writes one under OUT/shipped/."""
+    import json
+    import shutil
+
+    from m2r2_jax.atomic import atomic_directory
+    from m2r2_jax.m2r2.checkpoint import export_portable
+    from m2r2_jax.models.checkpoint import load_config, load_fingerprint
+
+    base_cfg, fp = load_config(base_dir), load_fingerprint(base_dir)
+    with atomic_directory(dst, overwrite) as tmp:  # all of it or nothing
+        ckpt = export_portable(m2r2_dir, tmp / "checkpoint", base_cfg, fp)
+        for f in ckpt.iterdir():
+            f.rename(tmp / f.name)
+        ckpt.rmdir()
+        shutil.copyfile(draft_vocab_file, tmp / DRAFT_VOCAB_FILE)
+        (tmp / RECIPE_FILE).write_text(json.dumps({**recipe_record, "base_fingerprint": fp}, indent=2) + "\n")
+    return Path(dst).absolute()

@@ -53,6 +53,13 @@ def test_distill_and_measure_from_a_gguf_file(tmp_path, tiny_gguf):
     summary = report["models"]["m2r2"]["recipe"]["distill_summary"]
     assert summary["stream"]["step"] == 3 and summary["router"]["step"] == 2
     assert summary["base_fingerprint_after"] == report["base"]["fingerprint"]
+    # ... and in the form m2r2_jax/pretrained ships, which loads onto that base only
+    from m2r2_jax.models.checkpoint import load_config
+
+    shipped = tmp_path / "demo" / "shipped" / "tiny-gguf"
+    base_dir = next(arts.glob("base-*")) / "model"
+    assert json.loads((shipped / "recipe.json").read_text())["base_fingerprint"] == report["base"]["fingerprint"]
+    load_m2r2(shipped, load_config(base_dir), report["base"]["fingerprint"])
 
     base = report["base"]
     assert base["name"] == "tiny-gguf" and math.isfinite(base["heldout_perplexity"]) and base["heldout_perplexity"] > 1
