@@ -20,6 +20,7 @@ SOURCES = [
     "m2r2_jax/bench/report.py",
     "m2r2_jax/bench/speculative.py",
     "m2r2_jax/bench/gamma.py",
+    "m2r2_jax/bench/gamma_tuning.py",
     "m2r2_jax/bench/compile_cache.py",
     "m2r2_jax/bench/cpu_cores.py",
     "m2r2_jax/cli/bench.py",
@@ -33,7 +34,7 @@ SOURCES = [
 
 # What `m2r2 demo` writes, collected by reading bench/demo.py and the functions it calls
 # (speculative.compare_methods / round_costs / batch_throughput_side_by_side / sampled_comparison /
-# context_acceptance / early_exit_sweep, gamma.tune_gammas, analysis.alignment, report.targets,
+# context_acceptance / early_exit_sweep, gamma_tuning.tune_gammas, analysis.alignment, report.targets,
 # compile_cache, cpu_cores.device_summary, moe_offload.report.moe_report). Each must be documented.
 DEMO_KEYS = {
     # top level

@@ -271,11 +271,12 @@ def _tune_gammas(base_cfg, base_params, m2r2, draft, tok, budget: Budget) -> tup
     prompts (apart from the benchmark's) and its measured round costs (bench/gamma.py).
     Returns ({method: gamma}, {method: tuning record})."""
     from m2r2_jax.bench import gamma as G
+    from m2r2_jax.bench.gamma_tuning import tune_gammas
 
     calib = heldout_prompts(tok, budget.calibration_prompts, budget.prompt_len, phase=0.5)
     say(f"draft lengths: acceptance at gamma {max(budget.gamma_candidates)} on {len(calib)} calibration prompts, "
          f"round costs at gamma {', '.join(map(str, budget.gamma_candidates))}, every method side by side")
-    records = G.tune_gammas(S.SPEC_METHODS, base_cfg, base_params, calib, max_new_tokens=budget.max_new_tokens,
+    records = tune_gammas(S.SPEC_METHODS, base_cfg, base_params, calib, max_new_tokens=budget.max_new_tokens,
                             candidates=budget.gamma_candidates, m2r2=m2r2, draft=draft, bar="draft lengths",
                             layer_loop=budget.layer_loop)
     for m, rec in records.items():

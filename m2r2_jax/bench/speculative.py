@@ -37,6 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from m2r2_jax.bench.gamma import gamma_of
 from m2r2_jax.decoding import api
 from m2r2_jax.errors import ConfigError
 
@@ -392,8 +393,6 @@ def compare_methods(
     ids m2r2_spec's and distance_spec's draft heads score (`decoding.draft_vocab`). `layer_loop`:
     every engine's (`api.resolve_layer_loop`; "auto": each method on the fastest loop measured
     for its platform, so ar is not timed on a slower loop than the drafters)."""
-    from m2r2_jax.bench.gamma import gamma_of
-
     width = max(len(p) for p in prompts)
     engines = {}
     for m in methods:
@@ -513,8 +512,6 @@ def context_acceptance(cfg, base_params, contexts: Sequence[Sequence[int]], *, g
     drafter's guesses of it, so its acceptance is measured on real text. `gamma`: one draft length
     or {method: gamma}, as in `compare_methods`. Returns {method: {"mean_accepted_tokens",
     "acceptance_by_position" (P(draft position k accepted), k = 1..gamma), "contexts", "gamma"}}."""
-    from m2r2_jax.bench.gamma import gamma_of
-
     if not contexts:
         raise ConfigError("context acceptance needs at least one context")
     width = max(len(c) for c in contexts)
@@ -550,8 +547,6 @@ def sampled_comparison(cfg, base_params, prompts: Sequence[Sequence[int]], *, ma
     lossless in distribution (pinned by the decoding tests), so answers differ from ar's draw by
     draw and no identity is checked; the point is acceptance on text that does not loop. `gamma`,
     `draft_vocab`, `layer_loop`, `eos_ids`: as in `compare_methods`."""
-    from m2r2_jax.bench.gamma import gamma_of
-
     width = max(len(p) for p in prompts)
     runners = {m: (api.build_engine(m, cfg, base_params, max_new_tokens=max_new_tokens, temperature=temperature,
                                     top_p=top_p, gamma=gamma_of(gamma, m), m2r2=m2r2, draft=draft, plan=plan,

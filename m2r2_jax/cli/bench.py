@@ -85,6 +85,7 @@ def main(argv):
     if any(b < 1 for b in batch_sizes):
         raise ConfigError(f"--batch_sizes={FLAGS.batch_sizes} is invalid: expected positive integers")
     from m2r2_jax.bench import gamma as G
+    from m2r2_jax.bench.gamma_tuning import tune_gammas
 
     gamma = G.parse_gamma(FLAGS.gamma, SPEC_METHODS)
     candidates = G.parse_candidates(FLAGS.gamma_candidates)
@@ -144,7 +145,7 @@ def main(argv):
     def tune(spec_methods):
         say(f"draft lengths of {', '.join(spec_methods)}: acceptance at gamma {max(candidates)} on {len(calib)} "
             f"calibration prompts, round costs at gamma {', '.join(map(str, candidates))}")
-        records = G.tune_gammas(spec_methods, base_cfg, base_params, calib, max_new_tokens=FLAGS.max_new_tokens,
+        records = tune_gammas(spec_methods, base_cfg, base_params, calib, max_new_tokens=FLAGS.max_new_tokens,
                                 candidates=candidates, m2r2=(mcfg, m2r2_params), draft=draft, plan=plan,
                                 bar="draft lengths", draft_vocab=vocab, layer_loop=FLAGS.layer_loop)
         for m, rec in records.items():

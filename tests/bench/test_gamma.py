@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from m2r2_jax.bench import gamma as G
+from m2r2_jax.bench.gamma_tuning import tune_gammas
 from m2r2_jax.bench import report as R
 from m2r2_jax.errors import ConfigError
 
@@ -75,7 +76,7 @@ def test_tune_gammas_on_a_tiny_model():
     mcfg = default_m2r2_config(cfg)
     m2r2 = (mcfg, random_m2r2(cfg, mcfg, 0, adapter_scale=0.1))
     prompts = [[1, 5, 7], [3, 9, 2, 4]]
-    records = G.tune_gammas(("m2r2_spec", "distance_spec"), cfg, params, prompts, max_new_tokens=10,
+    records = tune_gammas(("m2r2_spec", "distance_spec"), cfg, params, prompts, max_new_tokens=10,
                             candidates=(3, 1), m2r2=m2r2, repeats=2)
     assert set(records) == {"m2r2_spec", "distance_spec"}
     assert records["m2r2_spec"]["t_ar_step"] == records["distance_spec"]["t_ar_step"]  # one shared ar step
@@ -91,7 +92,7 @@ def test_tune_gammas_on_a_tiny_model():
                                                       zip(rec["expected_tokens"], rec["t_round"])])
     assert "m2r2_spec: gamma" in G.format_choice("m2r2_spec", rec)
     with pytest.raises(ConfigError, match="calibration prompt"):
-        G.tune_gammas(("m2r2_spec",), cfg, params, [], max_new_tokens=10, m2r2=m2r2)
+        tune_gammas(("m2r2_spec",), cfg, params, [], max_new_tokens=10, m2r2=m2r2)
 
 
 def test_accepted_tokens_compared_at_equal_gamma():
