@@ -48,6 +48,7 @@ from m2r2_jax.decoding import ar, early_exit, speculative
 from m2r2_jax.decoding.loop import GenState, prefill, run_rounds
 from m2r2_jax.decoding.sampling import Sampling
 from m2r2_jax.errors import ConfigError, DataError
+from m2r2_jax.m2r2.config import default_m2r2_config  # noqa: F401  (the one fresh default, re-exported)
 from m2r2_jax.models.config import ModelConfig
 from m2r2_jax.models.transformer import unstack_layers
 from m2r2_jax.sharding.plan import maybe_scope
@@ -254,16 +255,6 @@ def _default_m2r2(cfg: ModelConfig, m2r2):
 
     mcfg = default_m2r2_config(cfg)
     return mcfg, init_m2r2_params(cfg, mcfg, jax.random.key(0))
-
-
-def default_m2r2_config(cfg: ModelConfig):
-    """The default M2R2Config, with the branch layer pulled inside very shallow bases."""
-    from m2r2_jax.m2r2.config import M2R2Config
-
-    mcfg = M2R2Config()
-    if mcfg.branch_layer >= cfg.n_layers:
-        mcfg = dataclasses.replace(mcfg, branch_layer=cfg.n_layers - 1)
-    return mcfg.validate(cfg)
 
 
 def check_eos_ids(eos_ids, vocab_size: int) -> tuple[int, ...]:

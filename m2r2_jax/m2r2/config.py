@@ -107,3 +107,11 @@ class M2R2Config:
         if "lora_targets" in d:
             d["lora_targets"] = tuple(d["lora_targets"])
         return cls(**d)
+
+
+def default_m2r2_config(base: ModelConfig) -> M2R2Config:
+    """The one M2R2 config every verb uses when no M2R2 checkpoint is given (fresh parameters):
+    the branch after ~1/8 of the layers (at least 1, inside the model), rate 2, the rest default."""
+    b = min(max(1, base.n_layers // 8), base.n_layers - 1)
+    return M2R2Config(branch_layer=b, rate=2).validate(base)
+
