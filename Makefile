@@ -22,8 +22,9 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/m2r2 demo --out $(OUT) $(DEMO_ARGS)
 
+# A crashed worker ends the run (xdist's loadfile scheduler can wait forever after replacing one).
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -n 2 --dist loadfile tests
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile --max-worker-restart=0 --durations=12 tests
 
 clean:
 	rm -rf $(VENV) runs

@@ -1,5 +1,6 @@
 """Test setup: 8 fake CPU devices for sharding tests, float32 matmuls, small shared fixtures."""
 
+import gc
 import os
 import sys
 from pathlib import Path
@@ -12,7 +13,13 @@ from pathlib import Path
 _ROOT = Path(__file__).resolve().parents[1]
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _ROOT]
 
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+# The suite's time goes mostly into XLA compiling thousands of small programs, not running them:
+# without LLVM's expensive passes and at backend optimisation level 0 the CPU compiles take ~37%
+# less CPU time (measured on test_oracles + test_lossless_bf16: 252 -> 159 s). Every comparison in
+# the suite is between programs built alike; the fully optimised build's lossless identity is what
+# `m2r2 bench` and `make demo` check on every run (report["speculative"][m]["identical_to_ar"]).
+FAST_COMPILE = "--xla_llvm_disable_expensive_passes=true --xla_backend_optimization_level=0"  # CLI subprocesses too
+os.environ.setdefault("XLA_FLAGS", f"--xla_force_host_platform_device_count=8 {FAST_COMPILE}")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 # Tests compile many small programs, often the same ones in different tests, in both xdist workers
@@ -25,6 +32,38 @@ import jax  # noqa: E402
 import pytest  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs():
+    """Drop the compiled programs once a test file is done, if they hold many memory maps.
+
+    Each program XLA compiles for the CPU maps its machine code into the process, and an xdist
+    worker lives for the whole run: by 90% of the suite one held ~53,000 maps, near Linux's default
+    limit of 65,530 (vm.max_map_count), and workers then died in the compiler (segfault or abort),
+    after which xdist's loadfile scheduler waited forever. One file adds at most ~20,000. Clearing
+    after every file would throw away programs the next file reuses, so only past a third of the
+    limit; a program needed again comes back from the persistent cache.
+    """
+    yield
+    used, limit = _memory_maps()
+    if used < limit // 3:
+        return
+    jax.clear_caches()
+    gc.collect()
+    used, limit = _memory_maps()
+    if used > 0.6 * limit:
+        pytest.fail(f"this test process holds {used} memory maps after clearing JAX's caches "
+                    f"(limit vm.max_map_count = {limit}): something keeps compiled programs alive")
+
+
+def _memory_maps() -> tuple[int, int]:
+    """(maps this process holds, the kernel's per-process limit); (0, 1) where /proc is absent."""
+    try:
+        with open("/proc/self/maps") as maps, open("/proc/sys/vm/max_map_count") as limit:
+            return sum(1 for _ in maps), int(limit.read())
+    except OSError:
+        return 0, 1
 
 from m2r2_jax.models.config import ModelConfig  # noqa: E402
 

@@ -14,6 +14,15 @@ work; with the tiny recipe's shape (b 2, rate 7, 4 steps, rank 8) it reached 26%
 draft: the base's answers to instruction prompts (chat template applied; self_instruct, koala,
 wizardlm, never the benchmark sets).
 
+Measured on the 2-core CPU (2026-12-05; these are the parameters shipped in
+m2r2_jax/pretrained/smollm2-135m-instruct): distill-data 822 s (992 answers, 127k tokens), distill
+2420 s (600 stream steps at 3.3-3.9 s, 60 router steps). Greedy agreement of fast steps 1..7 with
+the base's output on the training batches rose from 0.27-0.35 (300 steps, uniform step weights) to
+0.29-0.47 (600 steps, loss.step_weights "increasing"); on MT-Bench answers the last step's drafts
+are accepted 29% of the time at gamma 1 (1.29 tokens per verification), which leaves m2r2_spec at
+0.78x of ar and distance_spec at 0.65x (`m2r2 bench --gamma auto`, docs/RESULTS.md): on this CPU a
+two-position verify costs 1.37 ar steps, so gamma 1 breaks even only above 80% acceptance.
+
 Speed on the 2-core CPU (batch 8 x 128 tokens, tiny-recipe shape, same machine and run): the plain
 loop took 8.5 s a step; scoring the KL at a quarter of the positions (loss.kl_fraction) and running
 the base once over the data set (teacher_cache) take it to 1.9 s (4.4x).

@@ -65,10 +65,16 @@ def run(argv=None) -> None:
         raise
     from m2r2_jax.cli.common import run_verb
 
-    rest = [underscored_flag(a) for a in argv[2:]]
+    run_verb(module.main, verb_argv(verb, argv[2:]))
+
+
+def verb_argv(verb: str, args) -> list:
+    """The argv a verb's absl parser gets for `m2r2 VERB ARGS`: flags underscored, a positional
+    first argument turned into its flag."""
+    rest = [underscored_flag(a) for a in args]
     if verb in POSITIONAL and rest and not rest[0].startswith("-"):
         rest = [f"--{POSITIONAL[verb]}={rest[0]}"] + rest[1:]
-    run_verb(module.main, [f"m2r2 {verb}"] + rest)
+    return [f"m2r2 {verb}"] + rest
 
 
 if __name__ == "__main__":

@@ -47,7 +47,9 @@ def get_config():
 
 
 def subprocess_env() -> dict:
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=1",
+    from conftest import FAST_COMPILE
+
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count=1 {FAST_COMPILE}",
                TF_CPP_MIN_LOG_LEVEL="3", PYTHONWARNINGS="ignore")
     return env
 

@@ -108,10 +108,10 @@ def _reference_cache(cfg, params, toks, positions, cache_len):
     return cache
 
 
-def reference_cache(cfg, params, prompts, results):
+def reference_cache(cfg, params, prompts, results, max_new: int = MAX_NEW):
     """KV cache of plain decoding of prompt + generated tokens, in one forward pass."""
     n = len(prompts)
-    total = cache_len = WIDTH + MAX_NEW
+    total = cache_len = WIDTH + max_new
     toks = np.zeros((BATCH, total), np.int32)
     pos = np.full((BATCH, total), cache_len, np.int32)
     for i, (p, r) in enumerate(zip(prompts, results)):

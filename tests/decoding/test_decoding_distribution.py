@@ -3,7 +3,9 @@
 A small-vocabulary model (V = 8), one prompt, 4 new tokens: the exact distribution of every
 generated position is computed by enumerating all continuations with the base model; thousands of
 independent samples (one batch, one random stream per row) are compared with it by a chi-square
-test per position. The same test must reject deliberately broken acceptance rules."""
+test per position. Then V = 16, 6 new tokens, dense and MoE bases, every speculative method, fixed
+and dynamic draft lengths: the joint law of the continuations by the probability integral
+transform (below). Both tests must reject deliberately broken acceptance rules."""
 
 from __future__ import annotations
 
@@ -134,3 +136,81 @@ def test_the_statistical_test_rejects_broken_acceptance_rules(rule):
     counts, _ = sample_counts("two_model", sampling, accept_fn=rule, draft=draft_model())
     pval = min_pvalue(counts, exact_marginals(sampling))
     assert pval < 1e-6
+
+
+# --------------------------------------------------------------------------------------------
+# The joint distribution of longer continuations, by the probability integral transform
+# --------------------------------------------------------------------------------------------
+# Enumerating every continuation is V^(M-1) forward passes: fine above, not for V = 16 and 6 new
+# tokens. Instead each sampled continuation is scored by the base model itself: with F the CDF of
+# p(. | prefix) in token-id order, u = F(x - 1) + U * p(x | prefix), U ~ Uniform(0, 1), is uniform
+# if and only if x was drawn from p(. | prefix), and the u of successive positions of a sequence are
+# then independent (the Rosenblatt transform). So all N x M values are i.i.d. uniform exactly when
+# the continuations follow the base model's joint distribution: one Kolmogorov-Smirnov test covers
+# the joint law, not only per-position marginals.
+JV, JM, JN = 16, 6, 2000
+JPROMPT = [3, 1, 4]
+
+
+@functools.lru_cache(maxsize=None)
+def joint_model(family: str, seed: int = 0):
+    cfg = tiny_config(family, vocab_size=JV, n_layers=3, d_model=16, n_heads=2, n_kv_heads=1, head_dim=8,
+                      d_ff=32, max_seq_len=16)
+    return cfg, random_base(cfg, seed)
+
+
+JOINT_CASES = {
+    "distance_spec_moe": ("mixtral", "distance_spec", Sampling(1.0), "fixed"),
+    "m2r2_spec_moe_dynamic_top_p": ("mixtral", "m2r2_spec", Sampling(0.8, 0.9), "dynamic"),
+    "two_model_dynamic": ("llama", "two_model", Sampling(1.0), "dynamic"),
+    "distance_spec_dynamic_draft_vocab_top_p": ("llama", "distance_spec", Sampling(0.9, 0.95), "dynamic"),
+}
+
+
+def joint_engine(case: str, accept_fn=None):
+    family, method, sampling, draft_length = JOINT_CASES[case]
+    cfg, params = joint_model(family)
+    kw = dict(max_new_tokens=JM, temperature=sampling.temperature, top_p=sampling.top_p, gamma=3,
+              draft_length=draft_length, accept_fn=accept_fn)
+    if method == "distance_spec":
+        kw["exit_layer"] = 1
+        if "draft_vocab" in case:
+            kw["draft_vocab"] = tuple(range(0, JV, 2)) + (5, 7)
+    if method == "m2r2_spec":
+        mcfg = M2R2Config(branch_layer=1, rate=2, lora_rank=4, router_dim=8, router_hidden=8)
+        kw["m2r2"] = (mcfg, random_m2r2(cfg, mcfg, 1, adapter_scale=0.3))
+    if method == "two_model":
+        kw["draft"] = joint_model(family, seed=5)
+    return cfg, params, sampling, api.build_engine(method, cfg, params, **kw)
+
+
+def joint_pit(case: str, accept_fn=None):
+    """(u [JN, JM], accepted tokens per round) for JN sampled continuations of JPROMPT."""
+    cfg, params, sampling, eng = joint_engine(case, accept_fn)
+    # a low router / confidence threshold: dynamic drafts are long enough to be rejected often
+    res = api.run_engine(eng, [JPROMPT] * JN, seed=11, batch_size=JN, tau=0.05)
+    gen = np.array([r.tokens for r in res])
+    assert gen.shape == (JN, JM)
+    toks = np.concatenate([np.tile(JPROMPT, (JN, 1)), gen], axis=1).astype(np.int32)
+    logits, _ = jax.jit(forward, static_argnums=0)(cfg, params, jnp.asarray(toks))
+    p = np.asarray(probs_from_logits(logits[:, len(JPROMPT) - 1:-1], sampling), np.float64)  # [N, M, V]
+    p_x = np.take_along_axis(p, gen[..., None], axis=-1)[..., 0]
+    below = np.take_along_axis(np.cumsum(p, axis=-1) - p, gen[..., None], axis=-1)[..., 0]
+    assert (p_x > 0).all()  # no drawn token lies outside the nucleus the base model allows
+    u = below + np.random.default_rng(0).uniform(size=p_x.shape) * p_x
+    return u, [a for r in res for a in r.accepted]
+
+
+@pytest.mark.parametrize("case", sorted(JOINT_CASES))
+def test_speculative_continuations_follow_the_base_joint_distribution(case):
+    u, acc = joint_pit(case)
+    assert 1.2 < np.mean(acc) < 3.8, np.mean(acc)  # drafts are sometimes accepted, sometimes not
+    assert stats.kstest(u.ravel(), "uniform").pvalue > 1e-4
+    assert min(stats.kstest(u[:, t], "uniform").pvalue for t in range(JM)) > 1e-4 / JM
+
+
+@pytest.mark.parametrize("rule", [always_accept, resample_from_p], ids=["always_accept", "resample_from_p"])
+def test_the_joint_test_rejects_broken_acceptance_rules(rule):
+    """The same test, acceptance rule broken: p ~ 1e-70 (always_accept), ~ 1e-14 (resample_from_p)."""
+    u, _ = joint_pit("distance_spec_moe", accept_fn=rule)
+    assert stats.kstest(u.ravel(), "uniform").pvalue < 1e-6

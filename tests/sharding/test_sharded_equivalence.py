@@ -174,4 +174,6 @@ def test_sharded_benchmark_compares_methods_on_the_mesh():
                           methods=("ar", "m2r2_spec"), batch_sizes=(2,), repeats=1, plan=plan)
     assert rep["m2r2_spec"]["identical_to_ar"] is True
     assert rep["m2r2_spec"]["answers"] == [r.tokens for r in api.generate("ar", cfg, base, prompts, max_new_tokens=6)]
-    assert rep["m2r2_spec"]["speedup_vs_ar"] > 0 and rep["m2r2_spec"]["mean_accepted_tokens"] >= 1.0
+    unsharded = api.generate("m2r2_spec", cfg, base, prompts, max_new_tokens=6, gamma=3,
+                             m2r2=(mcfg, random_m2r2(cfg, mcfg, 0, 0.3)))
+    assert rep["m2r2_spec"]["mean_accepted_tokens"] == pytest.approx(np.mean([a for r in unsharded for a in r.accepted]))
