@@ -18,8 +18,15 @@ sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _ROOT]
 # less CPU time (measured on test_oracles + test_lossless_bf16: 252 -> 159 s). Every comparison in
 # the suite is between programs built alike; the fully optimised build's lossless identity is what
 # `m2r2 bench` and `make demo` check on every run (report["speculative"][m]["identical_to_ar"]).
-FAST_COMPILE = "--xla_llvm_disable_expensive_passes=true --xla_backend_optimization_level=0"  # CLI subprocesses too
-os.environ.setdefault("XLA_FLAGS", f"--xla_force_host_platform_device_count=8 {FAST_COMPILE}")
+FAST_COMPILE = "--xla_llvm_disable_expensive_passes=true --xla_backend_optimization_level=0"
+
+
+def cpu_xla_flags(devices: int) -> str:
+    """XLA_FLAGS for a test process (this one, CLI subprocesses): `devices` fake CPU devices, fast compiles."""
+    return f"--xla_force_host_platform_device_count={devices} {FAST_COMPILE}"
+
+
+os.environ.setdefault("XLA_FLAGS", cpu_xla_flags(8))
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 # Tests compile many small programs, often the same ones in different tests, in both xdist workers

@@ -47,9 +47,9 @@ def get_config():
 
 
 def subprocess_env() -> dict:
-    from conftest import FAST_COMPILE
+    from conftest import cpu_xla_flags
 
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count=1 {FAST_COMPILE}",
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=cpu_xla_flags(1),
                TF_CPP_MIN_LOG_LEVEL="3", PYTHONWARNINGS="ignore")
     return env
 

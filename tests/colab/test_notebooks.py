@@ -97,10 +97,13 @@ def _inject(nb, overrides: dict):
 
 def _kernel_env() -> dict:
     env = dict(os.environ)
-    flags = [f for f in env.get("XLA_FLAGS", "").split() if not f.startswith("--xla_force_host_platform_device_count")]
-    # Compiling dominates these tiny runs: skip LLVM's expensive optimisations (the programs run for
-    # milliseconds; XLA's own numerics are unchanged). This halves the compile time on a CPU.
-    env["XLA_FLAGS"] = " ".join(flags + ["--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true"])
+    from conftest import FAST_COMPILE
+
+    # one device, as in Colab; compiling dominates these tiny runs, so the suite's fast compiles
+    fast = FAST_COMPILE.split()
+    flags = [f for f in env.get("XLA_FLAGS", "").split()
+             if not f.startswith("--xla_force_host_platform_device_count") and f not in fast]
+    env["XLA_FLAGS"] = " ".join(flags + fast)
     env["JAX_PLATFORMS"] = "cpu"
     env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
     env["MPLBACKEND"] = "Agg"

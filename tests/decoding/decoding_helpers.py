@@ -11,6 +11,7 @@ import numpy as np
 
 from conftest import tiny_config
 from m2r2_jax.decoding import api
+from m2r2_jax.m2r2.config import M2R2Config
 from m2r2_jax.models.transformer import forward, init_cache, init_params
 
 BATCH = 4  # every test batch is padded to this many rows
@@ -84,6 +85,34 @@ def model(family: str = "llama", seed: int = 0, head_scale: float = 30.0, **kw):
     cfg = tiny_config(family, **kw)
     # weights ~ N(0, 1/fan_in) instead of 0.02 (so the head is already sharp); head_scale on top
     return cfg, sharpen(cfg, random_base(cfg, seed), head_scale / 10.0)
+
+
+# the drafters' M2R2 shapes on the tiny models: strided on the dense one, consecutive on the MoE
+SMALL_M2R2 = {"llama": M2R2Config(branch_layer=1, rate=2, lora_rank=4, router_dim=8, router_hidden=8),
+              "mixtral": M2R2Config(branch_layer=2, rate=1, schedule="consecutive", lora_rank=4, router_dim=8,
+                                    router_hidden=8)}
+
+
+@functools.lru_cache(maxsize=None)
+def m2r2_variant(family: str, mcfg: M2R2Config, variant: str):
+    """"fresh": the fresh-init structure (LoRA B = 0: the base weights + rate extrapolation);
+    otherwise random adapters, so drafts come from a genuinely different fast stream."""
+    cfg, _ = model(family)
+    return random_m2r2(cfg, mcfg, 7, adapter_scale=0.0 if variant == "fresh" else 0.05)
+
+
+def drafter_options(method: str, family: str, variant: str) -> dict:
+    """`build_engine` options for the drafter of `method` on the tiny `family` model. Variants:
+    m2r2_spec "fresh" / "random" adapters; two_model "exact" (the target itself), "noisy" (small
+    weight noise: often right) or "far" (large noise); distance_spec drafts from layer 2."""
+    if method == "m2r2_spec":
+        mcfg = SMALL_M2R2[family]
+        return {"m2r2": (mcfg, m2r2_variant(family, mcfg, variant))}
+    if method == "two_model":
+        return {"draft": model(family) if variant == "exact" else noisy_copy(family, 0.05 if variant == "noisy" else 1.0)}
+    if method == "distance_spec":
+        return {"exit_layer": 2}
+    return {}
 
 
 @functools.lru_cache(maxsize=None)

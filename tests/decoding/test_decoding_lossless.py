@@ -12,49 +12,33 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from decoding_helpers import BATCH, MAX_NEW, WIDTH, model, noisy_copy, random_m2r2, reference_cache, run
+from decoding_helpers import BATCH, MAX_NEW, WIDTH, drafter_options, model, reference_cache, run
 from m2r2_jax.decoding import api
-from m2r2_jax.m2r2.config import M2R2Config
 
 EOS = 7
-SMALL = dict(lora_rank=4, router_dim=8, router_hidden=8)
 
 DRAFT_VOCAB = tuple(i for i in range(61) if i % 3)  # the tiny models' vocabulary is 61 tokens
 CASES = {
-    "m2r2_strided_dense": dict(family="llama", method="m2r2_spec", gamma=3,
-                               mcfg=M2R2Config(branch_layer=1, rate=2, **SMALL)),
-    "m2r2_consecutive_moe_dynamic": dict(family="mixtral", method="m2r2_spec", gamma=2, draft_length="dynamic",
-                                         mcfg=M2R2Config(branch_layer=2, rate=1, schedule="consecutive", **SMALL)),
+    "m2r2_strided_dense": dict(family="llama", method="m2r2_spec", gamma=3),
+    "m2r2_consecutive_moe_dynamic": dict(family="mixtral", method="m2r2_spec", gamma=2, draft_length="dynamic"),
     "distance_dense_dynamic": dict(family="llama", method="distance_spec", gamma=2, exit_layer=2,
                                    draft_length="dynamic"),
     "two_model_dense": dict(family="llama", method="two_model", gamma=3),
     # drafts from 40 of the 61 tokens: ar's next token is often outside, so drafts get rejected
-    "m2r2_strided_dense_draft_vocab": dict(family="llama", method="m2r2_spec", gamma=3, draft_vocab=DRAFT_VOCAB,
-                                           mcfg=M2R2Config(branch_layer=1, rate=2, **SMALL)),
+    "m2r2_strided_dense_draft_vocab": dict(family="llama", method="m2r2_spec", gamma=3, draft_vocab=DRAFT_VOCAB),
     "distance_moe_draft_vocab_dynamic": dict(family="mixtral", method="distance_spec", gamma=3, exit_layer=2,
                                              draft_length="dynamic", draft_vocab=DRAFT_VOCAB),
 }
 
 
-@functools.lru_cache(maxsize=None)
-def m2r2_params(family: str, mcfg: M2R2Config, variant: str):
-    """Fresh-init structure (LoRA B = 0: the base weights + rate extrapolation), or random adapters
-    so drafts come from a genuinely different fast stream."""
-    cfg, _ = model(family)
-    return random_m2r2(cfg, mcfg, 7, adapter_scale=0.05 if variant == "random" else 0.0)
-
-
 def engine(case: str, variant: str, temperature: float = 0.0):
     c = dict(CASES[case])
-    cfg, params = model(c.pop("family"))
+    family, method = c.pop("family"), c.pop("method")
+    cfg, params = model(family)
     assert c.get("draft_vocab") is None or max(c["draft_vocab"]) < cfg.vocab_size
-    method = c.pop("method")
-    kw = dict(max_new_tokens=MAX_NEW, eos_ids=EOS, temperature=temperature, **c)
-    if method == "m2r2_spec":
-        kw["m2r2"] = (kw["mcfg"], m2r2_params(cfg.family, kw.pop("mcfg"), variant))
-    if method == "two_model":
-        kw["draft"] = model(cfg.family) if variant == "exact" else noisy_copy(cfg.family, 0.05 if variant == "noisy" else 1.0)
-    return cfg, params, api.build_engine(method, cfg, params, **kw)
+    kw = {**drafter_options(method, family, variant), **c}  # a case's own exit layer wins
+    return cfg, params, api.build_engine(method, cfg, params, max_new_tokens=MAX_NEW, eos_ids=EOS,
+                                         temperature=temperature, **kw)
 
 
 def ar_engine(family: str, temperature: float = 0.0):
@@ -88,8 +72,6 @@ GRID = [(m, f, d, loop) for m in ("m2r2_spec", "distance_spec", "two_model") for
 LONG_NEW = 32
 LONG = {("m2r2_spec", "llama", "fixed", "scan"), ("distance_spec", "mixtral", "dynamic", "unrolled"),
         ("two_model", "llama", "dynamic", "scan"), ("m2r2_spec", "mixtral", "dynamic", "unrolled")}
-GRID_MCFG = {"llama": M2R2Config(branch_layer=1, rate=2, **SMALL),
-             "mixtral": M2R2Config(branch_layer=2, rate=1, schedule="consecutive", **SMALL)}
 
 
 def uses_draft_vocab(method: str, family: str, draft_length: str) -> bool:
@@ -102,13 +84,7 @@ def grid_engine(method: str, family: str, draft_length: str, layer_loop: str, va
               eos_ids=EOS, gamma=3, draft_length=draft_length, layer_loop=layer_loop)
     if uses_draft_vocab(method, family, draft_length):
         kw["draft_vocab"] = DRAFT_VOCAB
-    if method == "m2r2_spec":
-        kw["m2r2"] = (GRID_MCFG[family], m2r2_params(family, GRID_MCFG[family], variant))
-    if method == "distance_spec":
-        kw["exit_layer"] = 2
-    if method == "two_model":
-        kw["draft"] = model(family) if variant == "exact" else noisy_copy(family, 0.05 if variant == "noisy" else 1.0)
-    return cfg, params, api.build_engine(method, cfg, params, **kw)
+    return cfg, params, api.build_engine(method, cfg, params, **kw, **drafter_options(method, family, variant))
 
 
 @functools.lru_cache(maxsize=None)

@@ -20,14 +20,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from decoding_helpers import BATCH, WIDTH, model, noisy_copy, random_m2r2, run
+from decoding_helpers import BATCH, WIDTH, drafter_options, model, run
 from m2r2_jax.decoding import api
-from m2r2_jax.m2r2.config import M2R2Config
 
 MAX_NEW = 16
-MCFG = {"llama": M2R2Config(branch_layer=1, rate=2, lora_rank=4, router_dim=8, router_hidden=8),
-        "mixtral": M2R2Config(branch_layer=2, rate=1, schedule="consecutive", lora_rank=4, router_dim=8,
-                              router_hidden=8)}
 
 
 def bf16(cfg):
@@ -37,15 +33,11 @@ def bf16(cfg):
 @functools.lru_cache(maxsize=None)
 def engines(method: str, family: str):
     cfg, params = model(family)
-    kw = dict(max_new_tokens=MAX_NEW, gamma=3)
-    if method == "m2r2_spec":
-        kw["m2r2"] = (MCFG[family], random_m2r2(cfg, MCFG[family], 7, adapter_scale=0.05))
-    if method == "distance_spec":
-        kw["exit_layer"] = 2
-    if method == "two_model":
-        dcfg, dparams = noisy_copy(family, 0.05)
+    kw = drafter_options(method, family, "random" if method == "m2r2_spec" else "noisy")
+    if method == "two_model":  # the draft model computes in bfloat16 too
+        dcfg, dparams = kw["draft"]
         kw["draft"] = (bf16(dcfg), dparams)
-    return (api.build_engine(method, bf16(cfg), params, **kw),
+    return (api.build_engine(method, bf16(cfg), params, max_new_tokens=MAX_NEW, gamma=3, **kw),
             api.build_engine("ar", bf16(cfg), params, max_new_tokens=MAX_NEW))
 
 

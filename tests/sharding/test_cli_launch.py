@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import FAST_COMPILE, tiny_pretrain_config
+from conftest import cpu_xla_flags, tiny_pretrain_config
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "decoding"))
 from decoding_helpers import model  # noqa: E402
@@ -25,7 +25,7 @@ PROMPTS = [[1, 2, 3], [4, 5, 6, 7], [9, 8]]
 
 
 def _env(devices=8):
-    return dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={devices} {FAST_COMPILE}")
+    return dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=cpu_xla_flags(devices))
 
 
 def m2r2(*args, timeout=600):

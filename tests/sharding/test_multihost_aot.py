@@ -13,7 +13,7 @@ from pathlib import Path
 import jax
 import pytest
 
-from conftest import FAST_COMPILE, tiny_config
+from conftest import cpu_xla_flags, tiny_config
 from m2r2_jax.errors import ConfigError
 from m2r2_jax.m2r2.config import M2R2Config
 from m2r2_jax.sharding import aot
@@ -25,7 +25,7 @@ ROOT = HERE.parents[1]
 
 
 def _env(devices: int) -> dict:
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={devices} {FAST_COMPILE}")
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=cpu_xla_flags(devices))
     env.pop("JAX_COMPILATION_CACHE_DIR", None)  # processes of one job would race on the same entries
     return env
 

@@ -170,10 +170,10 @@ def test_sharded_benchmark_compares_methods_on_the_mesh():
     mcfg = M2R2Config(branch_layer=1, rate=2, lora_rank=4)
     plan = ShardingPlan.from_preset("specdec", mesh="data=2,tensor=4")
     prompts = _random_prompts(np.random.default_rng(3), 2)
-    rep = compare_methods(cfg, base, prompts, max_new_tokens=6, gamma=3, m2r2=(mcfg, random_m2r2(cfg, mcfg, 0, 0.3)),
+    m2r2 = (mcfg, random_m2r2(cfg, mcfg, 0, 0.3))
+    rep = compare_methods(cfg, base, prompts, max_new_tokens=6, gamma=3, m2r2=m2r2,
                           methods=("ar", "m2r2_spec"), batch_sizes=(2,), repeats=1, plan=plan)
     assert rep["m2r2_spec"]["identical_to_ar"] is True
     assert rep["m2r2_spec"]["answers"] == [r.tokens for r in api.generate("ar", cfg, base, prompts, max_new_tokens=6)]
-    unsharded = api.generate("m2r2_spec", cfg, base, prompts, max_new_tokens=6, gamma=3,
-                             m2r2=(mcfg, random_m2r2(cfg, mcfg, 0, 0.3)))
+    unsharded = api.generate("m2r2_spec", cfg, base, prompts, max_new_tokens=6, gamma=3, m2r2=m2r2)
     assert rep["m2r2_spec"]["mean_accepted_tokens"] == pytest.approx(np.mean([a for r in unsharded for a in r.accepted]))

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import FAST_COMPILE, tiny_config, tiny_pretrain_config
+from conftest import cpu_xla_flags, tiny_config, tiny_pretrain_config
 from m2r2_jax.models.transformer import forward, init_params
 from m2r2_jax.training.loop import latest_step
 from m2r2_jax.training.sampling import sample_tokens
@@ -22,7 +22,7 @@ TINY = tiny_pretrain_config()
 
 
 def m2r2(*args, **kw):
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count=1 {FAST_COMPILE}")
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=cpu_xla_flags(1))
     return subprocess.Popen([sys.executable, "-m", "m2r2_jax.cli.main", *args], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=env, **kw)
 
