@@ -5,12 +5,20 @@
 
 Implementations:
   "xla"        the pure-XLA reference (plain autodiff); the fast path on CPU.
-  "pallas"     the Pallas kernel of the current platform (Mosaic TPU or Mosaic GPU); raises ConfigError
-               where no kernel exists (CPU) or the kernel cannot take the shape.
+  "pallas"     the Pallas kernel of the target platform (Mosaic TPU or Mosaic GPU on CUDA); raises
+               ConfigError where no kernel exists (CPU, ROCm) or the kernel cannot take the shape.
   "interpret"  the TPU kernel body run by Pallas' interpreter (any platform; slow, for tests).
-  "auto"       the kernel on TPU/GPU when it can take the shape, else XLA (with a warning on TPU/GPU;
-               silently on CPU, where XLA is the intended path). On a GPU only for training-sized
-               calls (>= GPU_AUTO_MIN_ROWS rows of >= GPU_AUTO_MIN_D): below that XLA measured faster.
+  "auto"       the kernel on TPU/GPU when it can take the shape, else XLA (with a KernelFallbackWarning
+               on TPU/GPU; silently on CPU, where XLA is the intended path). On a GPU only for
+               training-sized calls (>= GPU_AUTO_MIN_ROWS rows of >= GPU_AUTO_MIN_D): below that XLA
+               measured faster.
+
+The target platform is the one the program is *lowered* for, not the one JAX runs on: the op stages
+one branch per platform with `jax.lax.platform_dependent`, and lowering keeps only the target's. So
+`jax.export.export(jax.jit(f), platforms=["tpu"])` on a CPU holds the Mosaic TPU kernel, and the
+fallback warning or the "pallas" error is raised when (and only when) the program is lowered for a
+platform that cannot take the call. A single export for several platforms at once is not possible
+with a kernel inside: Pallas lowers a kernel for one platform per module.
 
 Kernel paths run the forward pass as one pallas_call; the backward pass is plain XLA (a few fused
 elementwise loops, two thin matmuls and row reductions), so every path is reverse-differentiable and
@@ -19,6 +27,7 @@ works under jit, vmap and grad. `scale` and `eps` are static Python numbers.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import warnings
@@ -26,6 +35,8 @@ from typing import Optional, Tuple
 
 import jax
 import jax.numpy as jnp
+from jax.extend.core import Primitive
+from jax.interpreters import ad, batching, mlir
 
 from m2r2_jax.errors import ConfigError
 
@@ -83,48 +94,104 @@ def _check_args(x, u, rho, z, B, norm_weight) -> None:
 
 
 def _platform() -> str:
-    """'tpu', 'gpu' or 'cpu': the platform this computation will be placed on by default."""
+    """'tpu', 'gpu' or 'cpu': the platform JAX runs on by default (used by `select_backend`)."""
     return jax.default_backend()
 
 
-def select_backend(implementation: str, n_rows: int, d: int, rank: int, dtype, has_norm: bool,
-                   block_rows: Optional[int] = None) -> Tuple[str, Optional[int]]:
-    """Which backend runs this call and with how many rows per block: ("xla"|"tpu"|"gpu"|"interpret", rows)."""
+# Lowering platforms (jax.lax.platform_dependent's names) that have a kernel, and that kernel's backend.
+KERNEL_PLATFORMS = {"tpu": "tpu", "cuda": "gpu"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Choice:
+    """What one platform runs for a call: a kernel backend with its row block, or XLA, and why XLA."""
+
+    backend: str                  # "xla" | "tpu" | "gpu" | "interpret"
+    rows: Optional[int] = None
+    reason: Optional[str] = None  # set when a kernel was wanted but cannot run; "{platform}" names the target
+    fatal: bool = False           # the reason is an error ("pallas"), not a fallback warning ("auto")
+
+
+def choose(implementation: str, platform: str, n_rows: int, d: int, rank: int, dtype, has_norm: bool,
+           block_rows: Optional[int] = None) -> Choice:
+    """The decision for one platform ('tpu', 'gpu', 'cpu' or any other name), without side effects.
+    A reason's "{platform}" is filled in with the target platform where the choice is acted on."""
     if implementation not in IMPLEMENTATIONS:
         raise ConfigError(f"residual_rate_update: implementation={implementation!r}; "
                           f"allowed: {', '.join(IMPLEMENTATIONS)}")
     if implementation == "xla" or n_rows == 0:
-        return "xla", None
-    if implementation == "interpret":
-        backend = "interpret"
-    else:
-        platform = _platform()
-        backend = {"tpu": "tpu", "gpu": "gpu"}.get(platform)
-        if backend is None:
-            if implementation == "pallas":
-                raise ConfigError(f"residual_rate_update: implementation='pallas' needs a TPU or GPU, but JAX runs on "
-                                  f"{platform}; use 'auto' or 'xla' (or 'interpret' for testing)")
-            return "xla", None
+        return Choice("xla")
     if block_rows is not None and block_rows < 1:
         raise ValueError(f"residual_rate_update: block_rows must be positive, got {block_rows}")
+    backend = "interpret" if implementation == "interpret" else {"tpu": "tpu", "gpu": "gpu"}.get(platform)
+    if backend is None:
+        if implementation == "pallas":
+            return Choice("xla", reason="residual_rate_update: implementation='pallas' needs a TPU or an NVIDIA "
+                                        "GPU, but the program is for {platform}; use 'auto' or 'xla' (or "
+                                        "'interpret' for testing)", fatal=True)
+        return Choice("xla")
     if implementation == "auto" and backend == "gpu" and (n_rows < GPU_AUTO_MIN_ROWS or d < GPU_AUTO_MIN_D):
-        return "xla", None  # XLA is the faster path here (measured; see GPU_AUTO_MIN_ROWS), not a fallback
-    chooser = pallas_gpu.choose_block_rows if backend == "gpu" else pallas_tpu.choose_block_rows
-    rows = block_rows if block_rows is not None else chooser(n_rows, d, rank, dtype, has_norm)
-    why = None
-    if rows is None:
-        why = (f"no row block of d={d}, rank={rank}, dtype={jnp.dtype(dtype).name} fits the {backend} "
-               "kernel's on-chip memory")
-    elif backend == "gpu":
+        return Choice("xla")  # XLA is the faster path here (measured; see GPU_AUTO_MIN_ROWS), not a fallback
+    if backend == "gpu":
+        rows = pallas_gpu.BLOCK_ROWS if block_rows is None else block_rows
         why = pallas_gpu.unsupported_reason(n_rows, d, rank, dtype, rows)
-    elif backend == "tpu" and rows < n_rows and rows % pallas_tpu.sublane_multiple(dtype):
-        why = f"block_rows={rows} is not a multiple of the TPU tile's {pallas_tpu.sublane_multiple(dtype)} rows"
-    if why is not None:
-        if implementation == "auto":
-            warnings.warn(f"residual_rate_update: using the XLA reference: {why}", KernelFallbackWarning, stacklevel=3)
-            return "xla", None
-        raise ConfigError(f"residual_rate_update: implementation={implementation!r} cannot run: {why}")
-    return backend, rows
+    else:
+        rows = block_rows if block_rows is not None else pallas_tpu.choose_block_rows(n_rows, d, rank, dtype, has_norm)
+        why = None
+        if rows is None:
+            why = (f"no row block of d={d}, rank={rank}, dtype={jnp.dtype(dtype).name} fits the TPU kernel's "
+                   f"{pallas_tpu.VMEM_BUDGET_BYTES >> 20} MiB VMEM budget")
+        elif backend == "tpu" and rows < n_rows and rows % pallas_tpu.sublane_multiple(dtype):
+            why = f"block_rows={rows} is not a multiple of the TPU tile's {pallas_tpu.sublane_multiple(dtype)} rows"
+    if why is None:
+        return Choice(backend, rows)
+    if implementation == "auto":
+        return Choice("xla", reason="residual_rate_update: using the XLA reference on {platform}: " + why)
+    return Choice("xla", reason=f"residual_rate_update: implementation={implementation!r} cannot run on "
+                                "{platform}: " + why, fatal=True)
+
+
+def _act_on(choice: Choice, platform: str, stacklevel: int) -> None:
+    if choice.reason is None:
+        return
+    message = choice.reason.format(platform=platform)
+    if choice.fatal:
+        raise ConfigError(message)
+    warnings.warn(message, KernelFallbackWarning, stacklevel=stacklevel)
+
+
+def select_backend(implementation: str, n_rows: int, d: int, rank: int, dtype, has_norm: bool,
+                   block_rows: Optional[int] = None, platform: Optional[str] = None) -> Tuple[str, Optional[int]]:
+    """Which backend runs this call on `platform` (default: the one JAX runs on) and with how many rows
+    per block: ("xla"|"tpu"|"gpu"|"interpret", rows). Warns when "auto" falls back to XLA, raises
+    ConfigError when "pallas" cannot run."""
+    platform = platform or _platform()
+    choice = choose(implementation, platform, n_rows, d, rank, dtype, has_norm, block_rows)
+    _act_on(choice, platform, stacklevel=3)
+    return choice.backend, choice.rows
+
+
+# An identity on one array that carries a Choice's fallback warning or error into lowering: it is
+# staged in the branch of the platform that needs it, so it fires when a program is lowered (or run
+# eagerly) for that platform, never when the branch is only traced for another one.
+_notice_p = Primitive("residual_rate_kernel_notice")
+
+
+def _notice_impl(x, *, choice):
+    _act_on(choice, _platform(), stacklevel=4)
+    return x
+
+
+def _notice_lowering(ctx, x, *, choice):
+    _act_on(choice, "/".join(ctx.module_context.platforms), stacklevel=4)
+    return [x]
+
+
+_notice_p.def_impl(_notice_impl)
+_notice_p.def_abstract_eval(lambda x, **_: x)
+mlir.register_lowering(_notice_p, _notice_lowering)
+ad.primitive_jvps[_notice_p] = lambda primals, tangents, **kw: (_notice_p.bind(primals[0], **kw), tangents[0])
+batching.primitive_batchers[_notice_p] = lambda args, dims, **kw: (_notice_p.bind(args[0], **kw), dims[0])
 
 
 def _forward_kernel(backend: str, block_rows: int, scale: float, eps: float, x, u, rho, z, B, w):
@@ -206,9 +273,32 @@ def residual_rate_update(x: Array, u: Array, rho: Array, z: Optional[Array] = No
     lead = x.shape[:-1]
     n_rows = math.prod(lead)
     rank = 0 if z is None else z.shape[-1]
-    backend, rows = select_backend(implementation, n_rows, d, rank, x.dtype, norm_weight is not None, block_rows)
-    if backend == "xla":
+    has_norm = norm_weight is not None
+    decide = functools.partial(choose, implementation, n_rows=n_rows, d=d, rank=rank, dtype=x.dtype,
+                               has_norm=has_norm, block_rows=block_rows)
+    if implementation == "interpret":
+        per_platform, default = {}, decide("interpret")
+    else:
+        per_platform = {name: decide(backend) for name, backend in KERNEL_PLATFORMS.items()}
+        default = decide("default")  # CPU, ROCm and any platform without a kernel
+    plain = Choice("xla")
+    if default == plain and all(c == plain for c in per_platform.values()):
         return residual_rate_update_reference(x, u, rho, z, B, scale, norm_weight, eps)
-    flat = lambda a, w: None if a is None else a.reshape(n_rows, w)  # noqa: E731
-    y, n = _kernel_op(backend, rows, scale, eps)(flat(x, d), flat(u, d), rho, flat(z, rank), B, norm_weight)
-    return y.reshape(x.shape), (None if n is None else n.reshape(x.shape))
+
+    def branch(choice: Choice):
+        def run(x, u, rho, z, B, w):
+            if choice.backend == "xla":
+                if choice.reason is not None:
+                    x = _notice_p.bind(x, choice=choice)
+                return residual_rate_update_reference(x, u, rho, z, B, scale, w, eps)
+            flat = lambda a, width: None if a is None else a.reshape(n_rows, width)  # noqa: E731
+            y, n = _kernel_op(choice.backend, choice.rows, scale, eps)(flat(x, d), flat(u, d), rho, flat(z, rank),
+                                                                       B, w)
+            return y.reshape(x.shape), (None if n is None else n.reshape(x.shape))
+        return run
+
+    args = (x, u, rho, z, B, norm_weight)
+    if not per_platform:
+        return branch(default)(*args)
+    return jax.lax.platform_dependent(*args, default=branch(default),
+                                      **{name: branch(c) for name, c in per_platform.items()})

@@ -9,8 +9,9 @@ end only ever lands in discarded rows.
 The same body runs on CPU with `interpret=True` (the tests) and in TPU interpret mode
 (`pltpu.InterpretParams()`, which also simulates TPU memory spaces).
 
-Status: lowered to Mosaic on CPU (`lower(lowering_platforms=("tpu",))`) and executed in both
-interpreters (tests/kernels); not yet compiled by libtpu or run on a TPU.
+Status: lowered to Mosaic on CPU through the public op (`jax.export` for "tpu", forward and gradient,
+tests/kernels/test_residual_rate_export.py) and executed in both interpreters (tests/kernels); not
+yet compiled by libtpu or run on a TPU.
 """
 
 from __future__ import annotations

@@ -7,7 +7,17 @@ ahead of time for the mesh, without allocating anything, and reports the bytes o
 
     XLA_FLAGS=--xla_force_host_platform_device_count=8 JAX_PLATFORMS=cpu m2r2 aot-check ...
 
-Prints a JSON report (also written to --out) and exits 1 when a program does not fit.
+For a platform this machine does not have, `--platform tpu` (or cuda, rocm) compiles on as many fake
+CPU devices as the mesh names (no XLA_FLAGS needed) and also exports each program for the platform:
+
+    m2r2 aot-check --model=configs/models/llama3_8b.py --m2r2=configs/m2r2/llama3_8b.py \
+        --platform=tpu --mesh=fsdp=8 --device_memory=16GiB
+
+and the report says per program whether it lowered for the platform (else the first error line)
+and which custom calls it holds (`tpu_custom_call`: the Pallas TPU kernel).
+
+Prints a JSON report (also written to --out) and exits 1 when a program does not fit or does not
+lower for --platform.
 """
 
 from __future__ import annotations
@@ -16,6 +26,7 @@ from absl import flags
 from ml_collections import config_flags
 
 from m2r2_jax.cli import sharding_flags
+from m2r2_jax.errors import ConfigError
 
 config_flags.DEFINE_config_file("model", None, "model config file, e.g. configs/models/llama3_8b.py", lock_config=True)
 config_flags.DEFINE_config_file("m2r2", None, "distillation config (configs/m2r2/*.py): check M2R2 programs",
@@ -29,6 +40,9 @@ flags.DEFINE_enum("method", "m2r2_spec", ["ar", "m2r2_spec", "distance_spec", "m
                   "generate: decoding method")
 flags.DEFINE_string("device_memory", None, "memory of one device, e.g. 16GiB (TPU v5e), 95GiB (v5p), 80GB (H100)")
 flags.DEFINE_float("headroom", 0.1, "fraction of device memory kept free", lower_bound=0.0, upper_bound=0.9)
+flags.DEFINE_enum("platform", None, ["tpu", "cuda", "rocm"], "also export every program for this platform, "
+                  "compiling on fake CPU devices (as many as --mesh names, or --devices)")
+flags.DEFINE_integer("devices", None, "with --platform: fake CPU devices (default: the size of --mesh)", lower_bound=1)
 flags.DEFINE_string("out", None, "write the JSON report here too")
 flags.mark_flags_as_required(["model"])
 sharding_flags.define("train")
@@ -45,6 +59,10 @@ def main(argv):
     from m2r2_jax.training.config import validate_config
 
     memory = aot.parse_bytes(FLAGS.device_memory) if FLAGS.device_memory else None
+    if FLAGS.platform:
+        _use_fake_cpu_devices(FLAGS.devices or _mesh_size(FLAGS.mesh))
+    elif FLAGS.devices:
+        raise ConfigError("--devices is only for --platform (fake CPU devices standing in for that platform's)")
     sharding_flags.start(FLAGS, use_plan=False)
     model_cfg = validate_config(loaded_config(FLAGS, "model"))
     mcfg = None
@@ -57,21 +75,51 @@ def main(argv):
         preset = FLAGS.sharding
         plan = ShardingPlan.from_preset(preset, mesh=FLAGS.mesh)
         reports.append(aot.check_train(model_cfg, plan, batch_size=FLAGS.batch_size, seq_len=FLAGS.seq_len,
-                                       m2r2_cfg=mcfg, device_memory_bytes=memory, headroom=FLAGS.headroom))
+                                       m2r2_cfg=mcfg, device_memory_bytes=memory, headroom=FLAGS.headroom,
+                                       platform=FLAGS.platform))
     if FLAGS.program in ("generate", "both"):
         preset = "specdec" if FLAGS["sharding"].using_default_value else FLAGS.sharding
         plan = ShardingPlan.from_preset(preset, mesh=FLAGS.mesh)
         reports.append(aot.check_generate(model_cfg, plan, method=FLAGS.method, batch_size=FLAGS.batch_size,
                                           prompt_len=FLAGS.prompt_len, max_new_tokens=FLAGS.max_new_tokens,
-                                          m2r2_cfg=mcfg, device_memory_bytes=memory, headroom=FLAGS.headroom))
+                                          m2r2_cfg=mcfg, device_memory_bytes=memory, headroom=FLAGS.headroom,
+                                          platform=FLAGS.platform))
     text = json.dumps({"checks": reports}, indent=2)
     if FLAGS.out:
         from m2r2_jax.atomic import write_text_atomic
 
         write_text_atomic(FLAGS.out, text + "\n")
     print(text)
+    failed = False
     if any(r.get("fits") is False for r in reports):
         print("m2r2: does not fit: " + "; ".join(f"{r['program']} needs {r['per_device_gib']} GiB per device"
                                                  for r in reports if r.get("fits") is False), file=sys.stderr)
+        failed = True
+    if any(r.get("lowered") is False for r in reports):
+        print(f"m2r2: does not lower for {FLAGS.platform}: " + "; ".join(
+            f"{r['program']}: {r['lowering_error']}" for r in reports if r.get("lowered") is False), file=sys.stderr)
+        failed = True
+    if failed:
         sys.exit(1)
+
+
+def _mesh_size(spec) -> int:
+    from m2r2_jax.sharding.mesh import parse_mesh
+
+    sizes = parse_mesh(spec) if spec else {}
+    if not spec or -1 in sizes.values():
+        raise ConfigError("--platform needs a --mesh with every size given (e.g. fsdp=8) or --devices N: "
+                          "it compiles on that many fake CPU devices")
+    n = 1
+    for size in sizes.values():
+        n *= size
+    return n
+
+
+def _use_fake_cpu_devices(n: int) -> None:
+    """Compile on n fake CPU devices standing in for the target's (set before JAX starts a backend)."""
+    import jax
+
+    jax.config.update("jax_platforms", "cpu")
+    jax.config.update("jax_num_cpu_devices", n)
 

@@ -42,6 +42,7 @@ from m2r2_jax.m2r2.router import ARLARouter, StepMLP, step_scalars
 from m2r2_jax.models import transformer as T
 from m2r2_jax.models.config import ModelConfig
 from m2r2_jax.models.layers import DecoderLayer, attend, attention_mask, rms_norm
+from m2r2_jax.sharding.plan import active_plan
 
 
 class FastOutput(NamedTuple):
@@ -175,6 +176,27 @@ def _lora(ad: dict, name: str, x: jax.Array):
     return x @ ad[name]["A"].astype(x.dtype), ad[name]["B"]
 
 
+def _rate_update(g, u, rho, z, b, scale: float, impl: str, norm_weight=None, eps: float = 1e-6):
+    """The fused residual-rate update of g [B, T, d]. Under a sharding plan the call is split over
+    the batch's devices (`jax.shard_map`): a Pallas kernel is an opaque custom call that XLA's
+    partitioner cannot split, so without this every device would gather the whole batch and run the
+    kernel on all of it. Rows are independent and each needs its full width (the fused RMSNorm), so
+    rows go over the batch axes and d stays whole; the small operands are replicated. (`check_vma`
+    is off: a Pallas call's output types carry no varying-axes annotation.)"""
+    update = partial(residual_rate_update, scale=scale, eps=eps, implementation=impl)
+    plan = active_plan()
+    if plan is None or impl == "xla":
+        return update(g, u, rho, z, b, norm_weight=norm_weight)
+    rows = plan.fitted_sharding(("batch", None, None), g.shape).spec
+    whole = jax.sharding.PartitionSpec()
+
+    def local(g, u, rho, z, b, w):
+        return update(g, u, rho, z, b, norm_weight=w)
+
+    return jax.shard_map(local, mesh=plan.mesh, in_specs=(rows, rows, whole, rows, whole, whole),
+                         out_specs=(rows, rows), check_vma=False)(g, u, rho, z, b, norm_weight)
+
+
 # --------------------------------------------------------------------------------------------
 # One fast step
 # --------------------------------------------------------------------------------------------
@@ -199,8 +221,8 @@ def _fast_layer(base: ModelConfig, mcfg: M2R2Config, base_params, sp, j, g, posi
         a = attend(q, *T.layer_kv(cache, j), mask)
     u = mod.apply(v, a, ad, scale, False, method="attn_out")
     z, b_o = _lora(ad, "o_proj", a.reshape(*a.shape[:2], -1))
-    g, n = residual_rate_update(g, u, sp["rates"]["attn"], z, b_o, scale,
-                                norm_weight=lp["mlp_norm"]["scale"], eps=base.rms_eps, implementation=impl)
+    g, n = _rate_update(g, u, sp["rates"]["attn"], z, b_o, scale, impl, norm_weight=lp["mlp_norm"]["scale"],
+                        eps=base.rms_eps)
 
     # MLP sub-block (n is the fused pre-norm of the new state)
     router_logits = None
@@ -218,7 +240,7 @@ def _fast_layer(base: ModelConfig, mcfg: M2R2Config, base_params, sp, j, g, posi
                 u = jax.nn.silu(n @ lr["A"].astype(n.dtype)) @ lr["B"].astype(n.dtype)
             else:
                 u = jnp.zeros_like(g)
-    g, _ = residual_rate_update(g, u, sp["rates"]["mlp"], z, b_d, scale, implementation=impl)
+    g, _ = _rate_update(g, u, sp["rates"]["mlp"], z, b_d, scale, impl)
     return g, cache, router_logits
 
 

@@ -10,11 +10,19 @@ devices are enough: `XLA_FLAGS=--xla_force_host_platform_device_count=N`), and X
 analysis gives the bytes one device needs: arguments + outputs not aliased to donated arguments +
 temporaries. `fits` compares that with `device_memory_bytes`. The CPU compiler's temporaries are
 an estimate of an accelerator's (different fusion and layouts): keep a margin (`headroom`).
+
+With `platform="tpu"` (or "cuda", "rocm") the same program is also exported for that platform
+(`jax.export`, StableHLO for the target, on the machine at hand): the report says whether it lowered
+(else the first line of the error), and which custom calls it holds, e.g. `tpu_custom_call` for the
+Pallas kernels. XLA's compile for the target, and so its memory analysis, needs the target itself:
+the bytes stay those of the compiler this machine runs (`memory_analysis_by`).
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import re
 import time
 from typing import Optional
 
@@ -63,17 +71,42 @@ def _memory(compiled, device_memory_bytes: Optional[int], headroom: float) -> di
     return out
 
 
-def _lower_and_compile(jitted, *args) -> tuple:
+EXPORT_PLATFORMS = ("tpu", "cuda", "rocm")
+
+
+def export_for(jitted, args, platform: str) -> dict:
+    """Export `jitted` at `args` (ShapeDtypeStructs with shardings) for `platform`: lowered or not,
+    the first error line, and the custom calls of the module (target name -> count)."""
+    if platform not in EXPORT_PLATFORMS:
+        raise ConfigError(f"platform={platform!r} is invalid: expected one of {', '.join(EXPORT_PLATFORMS)}")
     t0 = time.perf_counter()
-    lowered = jitted.lower(*args)
-    compiled = lowered.compile()
-    return compiled, time.perf_counter() - t0
+    try:
+        module = jax.export.export(jitted, platforms=[platform])(*args).mlir_module()
+    except Exception as e:  # the failure is the finding: reported per program, not raised
+        lines = str(e).strip().splitlines() or [type(e).__name__]
+        return {"platform": platform, "lowered": False, "lowering_error": f"{type(e).__name__}: {lines[0]}"}
+    calls = collections.Counter(re.findall(r"custom_call @([\w.$-]+)", module))
+    return {"platform": platform, "lowered": True, "custom_calls": dict(sorted(calls.items())),
+            "lowering_seconds": round(time.perf_counter() - t0, 2)}
+
+
+def _lower_and_compile(jitted, *args, platform: Optional[str] = None) -> tuple:
+    """(compiled program, seconds, export report or {}): compiled for the devices at hand, and
+    exported for `platform` when one is named."""
+    exported = {} if platform is None else export_for(jitted, args, platform)
+    t0 = time.perf_counter()
+    compiled = jitted.lower(*args).compile()
+    seconds = time.perf_counter() - t0
+    if exported:
+        exported["memory_analysis_by"] = f"{jax.default_backend()} compiler"
+    return compiled, seconds, exported
 
 
 def check_train(model_cfg: ModelConfig, plan: ShardingPlan, *, batch_size: int, seq_len: int, m2r2_cfg=None,
-                tcfg=None, device_memory_bytes: Optional[int] = None, headroom: float = 0.1) -> dict:
+                tcfg=None, device_memory_bytes: Optional[int] = None, headroom: float = 0.1,
+                platform: Optional[str] = None) -> dict:
     """Compile one train step: distillation of M2R2 parameters against the frozen base when
-    `m2r2_cfg` is given, else base pre-training."""
+    `m2r2_cfg` is given, else base pre-training; exported for `platform` too when named."""
     from m2r2_jax.m2r2 import losses as L
     from m2r2_jax.models.transformer import init_params
     from m2r2_jax.training.config import train_section
@@ -109,18 +142,20 @@ def check_train(model_cfg: ModelConfig, plan: ShardingPlan, *, batch_size: int, 
     batch_sh = plan.sharding(("batch",))
     step = jax.jit(_in_scope(plan, make_step(loss_fn, tx, lr_schedule(tcfg))), donate_argnums=(0,),
                    in_shardings=(state_sh, frozen_sh, batch_sh), out_shardings=(state_sh, plan.replicated))
-    compiled, seconds = _lower_and_compile(
+    compiled, seconds, exported = _lower_and_compile(
         step, _abstract(state, state_sh), _abstract(frozen, frozen_sh),
-        jax.ShapeDtypeStruct(batch.shape, batch.dtype, sharding=batch_sh))
+        jax.ShapeDtypeStruct(batch.shape, batch.dtype, sharding=batch_sh), platform=platform)
     return {"program": "distill_step" if m2r2_cfg is not None else "pretrain_step", "sharding": plan.describe(),
-            "batch_size": batch_size, "seq_len": seq_len, "compile_seconds": round(seconds, 2),
+            "batch_size": batch_size, "seq_len": seq_len, **exported, "compile_seconds": round(seconds, 2),
             **_memory(compiled, device_memory_bytes, headroom)}
 
 
 def check_generate(model_cfg: ModelConfig, plan: ShardingPlan, *, method: str = "m2r2_spec", batch_size: int,
                    prompt_len: int, max_new_tokens: int, gamma: int = 4, m2r2_cfg=None,
-                   device_memory_bytes: Optional[int] = None, headroom: float = 0.1) -> dict:
-    """Compile the whole generation program (prefill + decoding loop) of one method."""
+                   device_memory_bytes: Optional[int] = None, headroom: float = 0.1,
+                   platform: Optional[str] = None) -> dict:
+    """Compile the whole generation program (prefill + decoding loop) of one method; exported for
+    `platform` too when named."""
     from m2r2_jax.decoding import api
     from m2r2_jax.models.transformer import init_params
 
@@ -143,8 +178,9 @@ def check_generate(model_cfg: ModelConfig, plan: ShardingPlan, *, method: str = 
     jitted = api.sharded_jit(spec, engine.params, shardings, batch_size, prompt_len)
     rows = plan.sharding(("batch",))
     batch = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=rows) for a in api.abstract_batch(batch_size, prompt_len)]
-    compiled, seconds = _lower_and_compile(jitted, _abstract(engine.params, shardings), *batch,
-                                           jax.ShapeDtypeStruct((), jnp.float32, sharding=plan.replicated))
+    compiled, seconds, exported = _lower_and_compile(
+        jitted, _abstract(engine.params, shardings), *batch,
+        jax.ShapeDtypeStruct((), jnp.float32, sharding=plan.replicated), platform=platform)
     return {"program": f"generate_{method}", "sharding": plan.describe(), "batch_size": batch_size,
-            "prompt_len": prompt_len, "max_new_tokens": max_new_tokens, "compile_seconds": round(seconds, 2),
-            **_memory(compiled, device_memory_bytes, headroom)}
+            "prompt_len": prompt_len, "max_new_tokens": max_new_tokens, **exported,
+            "compile_seconds": round(seconds, 2), **_memory(compiled, device_memory_bytes, headroom)}

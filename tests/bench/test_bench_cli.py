@@ -126,5 +126,5 @@ def test_bench_cli_pinned_to_one_core(tmp_path):
     bad = run_m2r2(["bench", f"--checkpoint={base}", f"--m2r2={m2r2}", f"--prompts={prompts}", f"--out={out}",
                     "--batch_sizes=1", "--max_new_tokens=2", "--repeats=1", "--n_prompts=1",
                     "--kernel_implementation=pallas"])  # no kernel on a CPU: one line, no traceback
-    assert bad.returncode != 0 and "implementation='pallas' needs a TPU or GPU" in bad.stderr
+    assert bad.returncode != 0 and "implementation='pallas' needs a TPU or an NVIDIA GPU" in bad.stderr
     assert "Traceback" not in bad.stderr

@@ -241,6 +241,12 @@ CASES = [
      ["--mesh", "bogus"], None),
     ("aot-check-mesh-too-big", "aot-check --model={repo}/configs/models/tiny_dense.py --mesh fsdp=3 --program train "
      "--batch_size 1 --seq_len 8 --out {out}.json", ["fsdp=3", "devices"], None),
+    ("aot-check-platform-mesh-open", "aot-check --model={repo}/configs/models/tiny_dense.py --platform tpu "
+     "--mesh data=-1 --out {out}.json", ["--platform needs a --mesh", "--devices"], None),
+    ("aot-check-platform-unknown", "aot-check --model={repo}/configs/models/tiny_dense.py --platform ipu "
+     "--out {out}.json", ["--platform", "ipu"], None),
+    ("aot-check-devices-alone", "aot-check --model={repo}/configs/models/tiny_dense.py --devices 4 "
+     "--out {out}.json", ["--devices is only for --platform"], None),
     # the dispatcher
     ("unknown-verb", "frobnicate --out {out}", ["frobnicate"], None),
 ]

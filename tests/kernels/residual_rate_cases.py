@@ -14,6 +14,24 @@ FWD_TOL = {F32: dict(rtol=2e-5, atol=2e-5), BF16: dict(rtol=2 ** -7, atol=2 ** -
 GRAD_TOL = {F32: 2e-5, BF16: 3e-2}
 
 
+# (rows, d, rank, dtype, block_rows, with norm): T ragged w.r.t. the block, d from 64 to 4096,
+# rank 0 and 4..64, both dtypes; big d gets few rows because interpret mode is slow.
+FORWARD_CASES = [
+    (37, 64, 0, F32, 8, True),
+    (37, 64, 4, BF16, 16, True),
+    (50, 256, 16, F32, 16, False),
+    (19, 512, 64, BF16, 16, True),
+    (24, 1024, 8, F32, 16, True),
+    (11, 4096, 64, BF16, 8, True),
+    (6, 4096, 0, F32, None, True),
+]
+
+# (leading dims, d, rank, dtype, block_rows); the f32 tolerance is tight enough to pin the hand-written
+# backward formula, not just bf16-level agreement.
+GRAD_CASES = [((21,), 64, 0, F32, 8), ((3, 7), 128, 4, F32, 8), ((13,), 256, 16, BF16, 16),
+              ((5,), 512, 64, F32, None)]
+
+
 def make_inputs(lead, d, rank, dtype, *, seed=0, norm=True, rho_dtype=F32):
     """Random (x, u, rho, z, B, w) with realistic scales: rho around the rate r=2, small adapters."""
     k = jax.random.split(jax.random.key(seed), 6)

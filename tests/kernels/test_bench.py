@@ -29,7 +29,7 @@ def test_device_path_measures_xla_and_reports_unavailable_kernel():
     report = bench.run_device([1, 4096], 64, 4, jnp.float32, iters=3, copy_mib=1)
     assert report["mode"] == "timing" and report["copy_bandwidth_gbs"] > 0
     for r in report["results"]:
-        assert r["kernel_s"] is None and "needs a TPU or GPU" in r["kernel_unavailable"]
+        assert r["kernel_s"] is None and "needs a TPU or an NVIDIA GPU" in r["kernel_unavailable"]
         assert r["xla_s"] >= 0 and r["loop_step_s"] >= 0
         assert r["roofline_s"] == pytest.approx(r["bytes"] / (report["copy_bandwidth_gbs"] * 1e9))
     # a 1 MB update per step is well above timer noise: the in-program time is measured, not clipped

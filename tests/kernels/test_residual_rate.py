@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from jax.experimental import pallas as pl
 
-from residual_rate_cases import BF16, F32, assert_close, assert_grads_close, make_inputs
+from residual_rate_cases import BF16, F32, FORWARD_CASES, GRAD_CASES, assert_close, assert_grads_close, make_inputs
 
 from m2r2_jax.errors import ConfigError
 from m2r2_jax.kernels import KernelFallbackWarning, residual_rate_update, residual_rate_update_reference
@@ -43,19 +43,6 @@ def test_reference_without_optional_terms():
 
 
 # ---------------------------------------------------------------- kernel forward (interpret mode)
-
-# (rows, d, rank, dtype, block_rows, with norm): T ragged w.r.t. the block, d from 64 to 4096,
-# rank 0 and 4..64, both dtypes; big d gets few rows because interpret mode is slow.
-FORWARD_CASES = [
-    (37, 64, 0, F32, 8, True),
-    (37, 64, 4, BF16, 16, True),
-    (50, 256, 16, F32, 16, False),
-    (19, 512, 64, BF16, 16, True),
-    (24, 1024, 8, F32, 16, True),
-    (11, 4096, 64, BF16, 8, True),
-    (6, 4096, 0, F32, None, True),
-]
-
 
 @pytest.mark.parametrize("T,d,rank,dtype,block_rows,norm", FORWARD_CASES)
 def test_kernel_forward_matches_reference_poisoned(T, d, rank, dtype, block_rows, norm):
@@ -101,12 +88,6 @@ def test_op_interpret_leading_dims_and_mixed_dtypes():
 
 
 # ---------------------------------------------------------------- gradients
-
-# (leading dims, d, rank, dtype, block_rows); the f32 tolerance is tight enough to pin the hand-written
-# backward formula, not just bf16-level agreement.
-GRAD_CASES = [((21,), 64, 0, F32, 8), ((3, 7), 128, 4, F32, 8), ((13,), 256, 16, BF16, 16),
-              ((5,), 512, 64, F32, None)]
-
 
 def _loss(implementation, block_rows, x, u, rho, z, B, w):
     y, n = residual_rate_update(x, u, rho, z, B, SCALE, w, EPS, implementation=implementation,
@@ -166,7 +147,7 @@ def test_auto_on_cpu_is_xla_without_warning():
 
 def test_forced_pallas_on_cpu_raises_clear_error():
     x, u, rho, _, _, _ = make_inputs((4,), 64, 0, F32)
-    with pytest.raises(ConfigError, match="needs a TPU or GPU"):
+    with pytest.raises(ConfigError, match="needs a TPU or an NVIDIA GPU"):
         residual_rate_update(x, u, rho, implementation="pallas")
 
 
