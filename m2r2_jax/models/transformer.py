@@ -10,6 +10,9 @@ Parameter tree (layers stacked on a leading axis of size n_layers):
      "final_norm": {"scale": [d]},
      "lm_head": {"kernel": [d, V]}}        # absent with tied embeddings
 
+(V is padded up to a multiple of the mesh axes that shard it when a sharding plan places the
+parameters; logits are still [..., cfg.vocab_size]: see `vocab_rows` and `head`.)
+
 KV cache: {"k": [L, B, KV, S, hd], "v": [L, B, KV, S, hd]}. The cache is position-addressed: a
 forward writes the K/V of token (b, t) at slot positions[b, t] of every layer it runs and attends
 causally by absolute position, so rolling back is just decoding from an earlier position again
@@ -140,9 +143,18 @@ def cache_write(cache: Cache, layer, positions: jax.Array, k: jax.Array, v: jax.
 # --------------------------------------------------------------------------------------------
 # Pieces shared by the slow stream, the fast stream and the exit heads
 # --------------------------------------------------------------------------------------------
+def vocab_rows(cfg: ModelConfig, params: Params) -> int:
+    """Rows of the embedding table: cfg.vocab_size, or more when a sharding plan padded the
+    vocabulary to a multiple of the mesh axes that shard it (`sharding.params`: vocabulary-parallel
+    embedding and head). Padded rows are never looked up (token ids are < vocab_size) and `head`
+    drops their logits, so nothing downstream ever sees a padded token id."""
+    n = params["embed"]["embedding"].shape[0]
+    return n if n > cfg.vocab_size else cfg.vocab_size
+
+
 def embed(cfg: ModelConfig, params: Params, tokens: jax.Array) -> jax.Array:
     pd = dtype_of(cfg.param_dtype)
-    x = Embedder(cfg.vocab_size, cfg.d_model, pd).apply({"params": params["embed"]}, tokens, method="encode")
+    x = Embedder(vocab_rows(cfg, params), cfg.d_model, pd).apply({"params": params["embed"]}, tokens, method="encode")
     return constrain(x.astype(dtype_of(cfg.dtype)), HIDDEN_AXES)
 
 
@@ -179,10 +191,17 @@ def head(cfg: ModelConfig, params: Params, h: jax.Array, norm_scale: Optional[ja
         return constrain(full.at[..., vocab["ids"]].set(sub), LOGITS_AXES)
     if cfg.tie_embeddings:
         pd = dtype_of(cfg.param_dtype)
-        logits = Embedder(cfg.vocab_size, cfg.d_model, pd).apply({"params": params["embed"]}, hn, method="decode")
+        logits = Embedder(vocab_rows(cfg, params), cfg.d_model, pd).apply({"params": params["embed"]}, hn,
+                                                                          method="decode")
     else:
         logits = hn @ params["lm_head"]["kernel"].astype(hn.dtype)
-    return constrain(logits.astype(jnp.float32), LOGITS_AXES)
+    logits = constrain(logits.astype(jnp.float32), LOGITS_AXES)
+    if logits.shape[-1] != cfg.vocab_size:
+        # A vocabulary padded for a sharding plan: the matmul above ran vocabulary-parallel over the
+        # padded width; the padded tokens' logits are dropped here, before any softmax, argmax,
+        # sampling or loss, so they can never win and every caller sees [..., vocab_size].
+        logits = constrain(logits[..., :cfg.vocab_size], LOGITS_AXES)
+    return logits
 
 
 def layer_router_logits(cfg: ModelConfig, params: Params, layer, x: jax.Array) -> jax.Array:

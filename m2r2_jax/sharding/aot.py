@@ -31,7 +31,7 @@ import jax.numpy as jnp
 
 from m2r2_jax.errors import ConfigError
 from m2r2_jax.models.config import ModelConfig
-from m2r2_jax.sharding.params import param_shardings
+from m2r2_jax.sharding.params import pad_vocab_leaves, param_shardings
 from m2r2_jax.sharding.plan import ShardingPlan
 
 GIB = 1024 ** 3
@@ -54,7 +54,10 @@ def parse_bytes(text: str) -> int:
 
 
 def _abstract(tree, shardings):
-    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
+    """ShapeDtypeStructs with `shardings`, a vocabulary the mesh does not divide padded as
+    `put_global` pads the real parameters."""
+    abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
+    return pad_vocab_leaves(abstract, shardings)
 
 
 def _memory(compiled, device_memory_bytes: Optional[int], headroom: float) -> dict:

@@ -6,9 +6,26 @@ axes of that leaf. The stacked layer axis ("layers" / "fast_steps") is added in 
 under `layers` or inside the M2R2 tree's stacked groups. An unknown leaf is an error rather than
 silently replicated, so a new parameter cannot slip through unsharded.
 
-Parameters are sharded strictly: a dimension that its mesh axes do not divide is an error naming
-the leaf, its shape and the mesh axes (a mesh that cannot shard the model must not run replicated
-by surprise: that is what runs out of memory on the real hardware).
+A dimension that its mesh axes do not divide (a vocabulary of 257, 32,001 or 50,257 over tensor=4)
+is not refused; what happens instead is recorded as a note in the plan's description
+(`ShardingPlan.describe()`), naming the parameter, the dimension and why, so a mesh never runs
+replicated by surprise (that is what runs out of memory on the real hardware):
+
+(a) Vocabulary dimensions (the embedding's rows, the untied LM head's columns) are *padded*: the
+    sharding keeps the split, and `put_global` (every placement for a plan goes through it) pads
+    the leaf with zeros up to a multiple of the mesh axes' size (`pad_vocab_leaves`; ahead-of-time
+    checks pad the abstract shapes). The embedding and head then run vocabulary-parallel, as serving
+    engines do. Padding is safe without masking anywhere else: token ids are < vocab_size, so no
+    padded row is looked up, and `models.transformer.head` drops the padded logits before anything
+    (softmax, argmax, sampling, top-p, log-probs, KL) sees them: logits stay [..., vocab_size]
+    and no output can hold a padded id. Frozen and served parameters only: see (b).
+(b) Any other non-dividing dimension is *replicated* over the mesh axes that do not divide it (the
+    longest leading part of a multi-axis split that divides it is kept). So are the vocabulary
+    dimensions of *trained* parameters (`pad_vocab=False`, base pre-training): padding would change
+    the shapes of the train state, its checkpoints (which must restore onto any mesh) and the
+    returned parameters.
+
+Only what cannot be placed at all is an error: a parameter with no logical axes.
 """
 
 from __future__ import annotations
@@ -16,7 +33,7 @@ from __future__ import annotations
 from typing import Any, Mapping, Optional
 
 import jax
-from jax.sharding import NamedSharding
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from m2r2_jax.errors import ConfigError
 from m2r2_jax.sharding.mesh import axis_size
@@ -102,27 +119,95 @@ def logical_axes(tree) -> Any:
     return jax.tree_util.tree_map_with_path(lambda path, x: leaf_axes(_keys(path), len(x.shape)), tree)
 
 
-def _strict_sharding(plan: ShardingPlan, keys: tuple, shape, axes) -> NamedSharding:
+def _axes_text(part) -> str:
+    return part if isinstance(part, str) else "x".join(part)
+
+
+def _dividing_part(mesh, part, size: int):
+    """The longest leading part of mesh axes `part` whose size divides `size` (None: none does)."""
+    axes = (part,) if isinstance(part, str) else tuple(part)
+    for k in range(len(axes), 0, -1):
+        if size % axis_size(mesh, axes[:k]) == 0:
+            return axes[0] if k == 1 else axes[:k]
+    return None
+
+
+def _leaf_sharding(plan: ShardingPlan, keys: tuple, shape, axes, pad_vocab: bool) -> NamedSharding:
+    """The leaf's sharding by its logical axes; a dimension its mesh axes do not divide is padded
+    (vocabulary, `pad_vocab`) or replicated, with a note in the plan (see the module docstring)."""
     spec = plan.spec(axes)
-    for dim, (size, part) in enumerate(zip(shape, list(spec) + [None] * len(shape))):
-        if part is not None and size % axis_size(plan.mesh, part) != 0:
-            raise ConfigError(f"parameter {'/'.join(keys)} {tuple(shape)} cannot be sharded by {plan.describe()}: "
-                              f"dimension {dim} ({axes[dim]}={size}) is not divisible by {part}="
-                              f"{axis_size(plan.mesh, part)}")
-    return NamedSharding(plan.mesh, spec)
+    parts, name, changed = list(spec), "/".join(keys), False
+    for dim, part in enumerate(parts):
+        if part is None:
+            continue
+        size, n = int(shape[dim]), axis_size(plan.mesh, part)
+        if size % n == 0:
+            continue
+        where = f"{_axes_text(part)}={n}"
+        if axes[dim] == "vocab" and pad_vocab:
+            plan.note(f"{name}:{dim}", f"{name}: vocab {size} padded to {-(-size // n) * n} for {where}")
+            continue
+        kept = _dividing_part(plan.mesh, part, size)
+        why = ("a trained parameter is not padded" if axes[dim] == "vocab" else f"{size} is not divisible by {n}")
+        over = "" if kept is None else f" (split over {_axes_text(kept)} only)"
+        plan.note(f"{name}:{dim}", f"{name}: dimension {dim} ({axes[dim]}={size}) replicated over {where}{over}: {why}")
+        parts[dim], changed = kept, True
+    return NamedSharding(plan.mesh, P(*parts) if changed else spec)
 
 
-def param_shardings(plan: ShardingPlan, tree) -> Any:
-    """NamedSharding per leaf of a parameter tree (base, M2R2 or draft model)."""
+def param_shardings(plan: ShardingPlan, tree, pad_vocab: bool = True) -> Any:
+    """NamedSharding per leaf of a parameter tree (base, M2R2 or draft model). A vocabulary
+    dimension its mesh axes do not divide keeps its split (the leaf is padded when placed:
+    `put_global`, `pad_vocab_leaves`) unless `pad_vocab` is False (trained parameters), in which case it
+    is replicated like any other non-dividing dimension; each such case is a note in the plan."""
     return jax.tree_util.tree_map_with_path(
-        lambda path, x: _strict_sharding(plan, _keys(path), x.shape, leaf_axes(_keys(path), len(x.shape))), tree)
+        lambda path, x: _leaf_sharding(plan, _keys(path), x.shape, leaf_axes(_keys(path), len(x.shape)), pad_vocab),
+        tree)
+
+
+def _vocab_padding(keys: tuple, shape, sharding) -> Optional[tuple]:
+    """(dimension, padded size) when the leaf at `keys` has a vocabulary dimension that
+    `sharding` splits unevenly (a padded vocabulary of `param_shardings`), else None."""
+    if not isinstance(sharding, NamedSharding):
+        return None
+    axes = _base_leaf_axes(keys)
+    if axes is None or len(axes) != len(shape) or "vocab" not in axes:
+        return None
+    dim = axes.index("vocab")
+    spec = list(sharding.spec) + [None] * len(shape)
+    n = axis_size(sharding.mesh, spec[dim])
+    size = int(shape[dim])
+    return None if size % n == 0 else (dim, -(-size // n) * n)
+
+
+def pad_vocab_leaves(tree, shardings) -> Any:
+    """`tree` with every vocabulary dimension that its sharding splits unevenly padded with zeros
+    to a multiple of the split (leaves: jax or numpy arrays, or ShapeDtypeStructs, whose shape is
+    padded); every other leaf as it is. `put_global` calls it; ahead-of-time checks call it on
+    abstract trees."""
+    import numpy as np
+
+    def pad(path, x, sh):
+        hit = _vocab_padding(_keys(path), x.shape, sh)
+        if hit is None:
+            return x
+        dim, size = hit
+        if isinstance(x, jax.ShapeDtypeStruct):
+            shape = tuple(size if i == dim else s for i, s in enumerate(x.shape))
+            return jax.ShapeDtypeStruct(shape, x.dtype, sharding=x.sharding)
+        widths = [(0, size - x.shape[i] if i == dim else 0) for i in range(x.ndim)]
+        return np.pad(x, widths) if isinstance(x, np.ndarray) else jax.numpy.pad(x, widths)
+
+    return jax.tree_util.tree_map_with_path(pad, tree, shardings)
 
 
 def put_global(tree, shardings, copy: bool = False) -> Any:
     """Place host data (the same on every process) as global arrays with `shardings` (a tree
     matching `tree`). One process: `device_put`. Several: each process builds its own shards from
     its copy, since no process can address the others' devices. `copy`: never share a buffer
-    with the input (what a caller must ask for before donating the result)."""
+    with the input (what a caller must ask for before donating the result). A vocabulary that
+    its sharding splits unevenly is padded first (`pad_vocab_leaves`)."""
+    tree = pad_vocab_leaves(tree, shardings)
     if jax.process_count() == 1:
         if copy:  # device_put may reuse the input's buffer for the shard on its own device
             import jax.numpy as jnp

@@ -10,7 +10,9 @@ different plan a different compiled program: the trace never reuses a cached tra
 the constraints.
 
 An activation dimension that its mesh axes do not divide (a batch of 1 over data=2, say) stays
-unsharded in that constraint; parameters are stricter (see `params.param_shardings`).
+unsharded in that constraint. A parameter dimension that they do not divide is padded (the
+vocabulary) or replicated, and the plan records it: `note`, shown by `describe()` (see
+`params.param_shardings`).
 """
 
 from __future__ import annotations
@@ -34,6 +36,9 @@ class ShardingPlan:
     mesh: Mesh
     rules: Rules
     name: str = "custom"
+    # What placing parameters for this plan had to do about dimensions its mesh axes do not divide
+    # (key -> one line). Not part of the plan's identity: equal plans compile to the same program.
+    notes: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
     def from_preset(cls, preset: str, mesh: MeshSpec = None, devices=None) -> "ShardingPlan":
@@ -66,8 +71,15 @@ class ShardingPlan:
         """Devices that logical axis `name` is split over."""
         return axis_size(self.mesh, self.rules.mesh_axes(name) or None)
 
+    def note(self, key: str, text: str) -> None:
+        """Record a line about how a parameter is placed (`params.param_shardings`); one per key."""
+        self.notes[key] = text
+
     def describe(self) -> str:
-        return f"{self.name} on mesh {format_mesh(dict(self.mesh.shape))}"
+        """'specdec on mesh data=2,...' and, after parameters were placed, a note per padded or
+        replicated parameter dimension."""
+        text = f"{self.name} on mesh {format_mesh(dict(self.mesh.shape))}"
+        return "; ".join([text, *self.notes.values()])
 
     @contextlib.contextmanager
     def scope(self):

@@ -156,9 +156,12 @@ def default_plan(tcfg) -> ShardingPlan:
 
 def state_shardings(plan: ShardingPlan, state: dict, by_axes: bool = True) -> dict:
     """Parameters by their logical axes (or replicated), optimiser moments like their
-    parameters, counters and the rng replicated."""
+    parameters, counters and the rng replicated. A trained vocabulary that the mesh does not
+    divide is replicated, not padded (`param_shardings(pad_vocab=False)`): the train state, its
+    checkpoints and the returned parameters keep the model's shapes."""
     params = state["params"]
-    params_sh = param_shardings(plan, params) if by_axes else jax.tree.map(lambda _: plan.replicated, params)
+    params_sh = (param_shardings(plan, params, pad_vocab=False) if by_axes
+                 else jax.tree.map(lambda _: plan.replicated, params))
     return {
         "step": plan.replicated,
         "params": params_sh,
