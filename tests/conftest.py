@@ -34,6 +34,9 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 # by the run saves most of that time.
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", "/tmp/m2r2_jax_test_cache")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
+# The CLI verbs' default cache (~/.cache/m2r2_jax/xla) is never written by the tests: a subprocess
+# without the variable above compiles uncached.
+os.environ.setdefault("M2R2_COMPILE_CACHE", "off")
 
 import jax  # noqa: E402
 import pytest  # noqa: E402

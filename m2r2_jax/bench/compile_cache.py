@@ -1,4 +1,10 @@
-"""JAX's persistent compilation cache for the benchmark runs.
+"""JAX's persistent compilation cache: on by default for the CLI verbs, and for the benchmark runs.
+
+Every `m2r2` verb compiles through a persistent cache (`cli_default`): a second `m2r2 generate`
+with the same model and shapes loads the first one's programs instead of compiling them again.
+Where: $JAX_COMPILATION_CACHE_DIR when set (JAX's own setting wins), else $M2R2_COMPILE_CACHE,
+else ~/.cache/m2r2_jax/xla; M2R2_COMPILE_CACHE=off turns it off. A multi-process run (jax.distributed)
+does not use the default location: its processes would write the same entries at once.
 
 The demo compiles the same programs more than once: the draft-length tuning times the round of
 each candidate gamma, and the benchmark then compiles the chosen gamma's round again; the one-core
@@ -11,7 +17,10 @@ are exactly the ones that would have been compiled.
 from __future__ import annotations
 
 import contextlib
+import os
+import sys
 from pathlib import Path
+from typing import Optional
 
 import jax
 import jax.monitoring
@@ -23,6 +32,41 @@ MIN_COMPILE_S = 0.2
 _OPTIONS = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs")
 _HIT = "/jax/compilation_cache/cache_hits"
 _SAVED = "/jax/compilation_cache/compile_time_saved_sec"
+
+
+CACHE_ENV = "M2R2_COMPILE_CACHE"
+OFF = ("off", "none", "0", "false", "no")
+_DEFAULT_IN_USE = {"path": None}
+
+
+def cli_default() -> Optional[str]:
+    """Turn the persistent cache on for a CLI verb (see the module docstring); returns the
+    directory in use, or None when it is off. Call before the first compile."""
+    current = jax.config.jax_compilation_cache_dir
+    if current:
+        return current
+    setting = os.environ.get(CACHE_ENV, "").strip()
+    if setting.lower() in OFF:
+        return None
+    path = Path(setting).expanduser() if setting else Path.home() / ".cache" / "m2r2_jax" / "xla"
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        print(f"m2r2: warning: compiling without a persistent cache: {path}: {e.strerror or e}", file=sys.stderr)
+        return None
+    jax.config.update("jax_compilation_cache_dir", str(path.absolute()))
+    if "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS" not in os.environ:
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", MIN_COMPILE_S)
+    _DEFAULT_IN_USE["path"] = str(path.absolute())
+    return _DEFAULT_IN_USE["path"]
+
+
+def leave_default_for_multiprocess() -> None:
+    """Stop using the default cache turned on by `cli_default` (a run of several processes)."""
+    if _DEFAULT_IN_USE["path"] and jax.config.jax_compilation_cache_dir == _DEFAULT_IN_USE["path"]:
+        jax.config.update("jax_compilation_cache_dir", None)
+        compilation_cache.reset_cache()
+        _DEFAULT_IN_USE["path"] = None
 
 
 def child_env(directory) -> dict:

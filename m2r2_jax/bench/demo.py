@@ -204,7 +204,7 @@ def _run_demo(out: Path, budget_name: str, budget: Budget, force: bool, skip_moe
     t0 = time.time()
     spec = S.compare_methods(base_cfg, base_params, prompts, max_new_tokens=budget.max_new_tokens,
                              gamma=gammas, m2r2=(mcfg, m2r2_params), draft=draft, batch_sizes=budget.batch_sizes,
-                             repeats=budget.repeats, progress=_say, layer_loop=budget.layer_loop)
+                             repeats=budget.repeats, progress=say, layer_loop=budget.layer_loop)
     report["speculative"] = spec
     pre = report["models"]["base"]["pretrain"]
     report["base"] = {"name": "tiny_dense (pre-trained here)", "params": report["models"]["base"]["params"],
@@ -221,7 +221,7 @@ def _run_demo(out: Path, budget_name: str, budget: Budget, force: bool, skip_moe
                                                          budget, gammas)
     report["speculative_sampled"] = S.sampled_comparison(
         base_cfg, base_params, prompts, max_new_tokens=budget.max_new_tokens, temperature=SAMPLED_TEMPERATURE,
-        gamma=gammas, m2r2=(mcfg, m2r2_params), repeats=budget.repeats, progress=_say,
+        gamma=gammas, m2r2=(mcfg, m2r2_params), repeats=budget.repeats, progress=say,
         layer_loop=budget.layer_loop)
     # the answers loop (a young base), which flatters every drafter: acceptance on real text too
     say(f"speculative: the first round after {budget.context_prompts} held-out text windows")
@@ -233,7 +233,7 @@ def _run_demo(out: Path, budget_name: str, budget: Budget, force: bool, skip_moe
     t0 = time.time()
     report["early_exit"] = S.early_exit_sweep(base_cfg, base_params, prompts, max_new_tokens=budget.max_new_tokens,
                                               thresholds=budget.thresholds, m2r2=(mcfg, m2r2_params),
-                                              repeats=budget.repeats, progress=_say,
+                                              repeats=budget.repeats, progress=say,
                                               layer_loop=budget.layer_loop)
     timings["early_exit_s"] = time.time() - t0
 

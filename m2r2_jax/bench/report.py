@@ -95,6 +95,9 @@ def table(report: dict) -> str:
                    f"{ideal:>8.2f}{r['efficiency']:>8.2f}{('yes' if r['identical_to_ar'] else 'NO') if m != 'ar' else '-':>6}")
             row += "".join(f"{b['speedup_vs_ar']:>8.2f}" for b in r["batch_sweep"])
             lines.append(row)
+        if all("compile_seconds" in spec[m] for m in SPEC_ORDER if m in spec):
+            lines.append("  compiling, not in the timings above (first call less its answer): "
+                         + ", ".join(f"{m} {spec[m]['compile_seconds']:.1f} s" for m in SPEC_ORDER if m in spec))
         one = report.get("speculative_one_core", {}).get("methods", {})
         if one and "ar" in one:
             lines.append(f"  pinned to one core (a separate run): ar {one['ar']['tokens_per_s']:.1f} tok/s; "

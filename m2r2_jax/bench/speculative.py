@@ -63,13 +63,14 @@ def _rotations(names: Sequence[str], r: int) -> list:
 
 
 def per_answer_timing_side_by_side(runners: dict, prompts: Sequence[Sequence[int]], width: int,
-                                   repeats: int, bar: str = "", between=None) -> dict:
+                                   repeats: int, bar: str = "", between=None, first_calls: Optional[dict] = None) -> dict:
     """Batch 1, every runner side by side. `runners` maps a name to (engine, tau). For each repeat
     and each prompt the runners go one after another (order rotating), so slow drifts of a shared
     machine's load hit every method alike instead of whichever method happened to be timed during
     them. Each answer's time is the median of its `repeats`.
     With `bar`, a progress bar of that name counts compiles and timed answers. `between(g)`, if
     given, runs after each (repeat, prompt) group g = 0, 1, ... (outside the timed calls).
+    `first_calls`, if given, receives {name: seconds of the first (compiling) call, on prompts[0]}.
     Returns {name: (results, tokens_per_s, seconds)}, each a list over prompts."""
     from tqdm.auto import tqdm
 
@@ -77,7 +78,10 @@ def per_answer_timing_side_by_side(runners: dict, prompts: Sequence[Sequence[int
     progress = tqdm(total=len(names) * (1 + repeats * len(prompts)), desc=bar, disable=not bar, leave=False)
     for m in names:
         engine, tau = runners[m]
+        t0 = time.perf_counter()
         _run(engine, [prompts[0]], 1, width, tau)  # compile
+        if first_calls is not None:
+            first_calls[m] = time.perf_counter() - t0
         progress.update()
     times = {m: [[] for _ in prompts] for m in names}
     results = {m: [None] * len(prompts) for m in names}
@@ -410,9 +414,11 @@ def compare_methods(
     sample_at = spread_schedule(repeats * len(prompts), COST_SAMPLES)
     if progress:
         progress(f"speculative: batch 1, {', '.join(engines)} side by side, their costs sampled in between")
+    first_calls: dict = {}
     timed = per_answer_timing_side_by_side({m: (e, 0.5) for m, e in engines.items()}, prompts, width, repeats,
                                            bar="speculative b=1" if progress else "",
-                                           between=lambda g: timer.measure(g) if g in sample_at else None)
+                                           between=lambda g: timer.measure(g) if g in sample_at else None,
+                                           first_calls=first_calls)
     sweeps = {m: [] for m in engines}
     for bs in batch_sizes:
         if progress:
@@ -429,6 +435,9 @@ def compare_methods(
         rec = {"tokens_per_s": float(np.mean(tps)), "tokens_per_s_per_answer": tps, "seconds_per_answer": times,
                "generated_tokens": int(sum(len(r.tokens) for r in results)),
                "answers": [r.tokens for r in results], "costs": costs[m], "batch_sweep": sweeps[m]}
+        # compiling apart from decoding: the first call (prompt 0) less that answer's timed median
+        rec["first_call_seconds"] = float(first_calls[m])
+        rec["compile_seconds"] = float(max(first_calls[m] - times[0], 0.0))
         rec["layers_per_token"] = float(np.mean([r.layers_per_token for r in results]))
         rec["distinct_token_fraction"] = distinct_token_fraction(results)
         # ar is the reference, not a candidate: null, so no reader takes a false for a mismatch

@@ -23,6 +23,9 @@ def run_verb(main, argv) -> None:
 
         if not flags.FLAGS["verbosity"].present:  # orbax logs every save and restore at INFO
             logging.set_verbosity(logging.WARNING)
+        from m2r2_jax.bench.compile_cache import cli_default
+
+        cli_default()  # a later run with the same programs loads them instead of compiling
         try:
             if len(args) > 1:  # every verb takes flags only
                 raise M2R2Error(f"unexpected arguments {args[1:]}; pass options as --flags")

@@ -21,9 +21,14 @@ def start(flag_values, use_plan: bool = True):
     """Join the multi-host runtime if needed, then build the sharding plan of the flags. Without
     --mesh and --sharding it returns None: the verb's unsharded path (training splits only the
     batch over the devices, `train.data_parallel`; generation runs on one device)."""
+    import jax
+
+    from m2r2_jax.bench.compile_cache import leave_default_for_multiprocess
     from m2r2_jax.sharding.distributed import initialize
 
     initialize(flag_values.coordinator, flag_values.num_processes, flag_values.process_id)
+    if jax.process_count() > 1:
+        leave_default_for_multiprocess()
     if not use_plan:
         return None
     from m2r2_jax.sharding.plan import ShardingPlan

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import abc
 import io
-import json
 import os
 import tempfile
 from pathlib import Path

@@ -422,6 +422,21 @@ def check_prompts(cfg: ModelConfig, prompts: Sequence[Sequence[int]], max_new_to
     return out
 
 
+MIN_PROMPT_WIDTH = 16
+
+
+def bucket(n: int, floor: int = 1, limit: Optional[int] = None) -> int:
+    """The smallest size >= n (and >= floor) of the ladder 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, ...
+    (2^k and 3 * 2^(k-1)), capped at `limit` (never below n). Shapes drawn from it bound the programs a
+    process compiles to two per doubling of the prompt width or batch, for at most 1.5x padding."""
+    n = max(int(n), int(floor), 1)
+    size = 1
+    while size < n:
+        power_of_two = size >= 2 and size & (size - 1) == 0
+        size = size * 3 // 2 if power_of_two else 1 << size.bit_length()
+    return size if limit is None else max(n, min(size, int(limit)))
+
+
 def pad_batch(prompts: Sequence[Sequence[int]], batch_size: int, width: int):
     """Right-pad prompts into [batch_size, width]; missing rows are idle (valid False)."""
     toks = np.zeros((batch_size, width), np.int32)
@@ -459,9 +474,11 @@ def run_engine(engine: Engine, prompts: Sequence[Sequence[int]], *, seed: int = 
                line_numbers: Optional[Sequence[int]] = None, batch_size: int = 8, tau: float = 0.5,
                width: Optional[int] = None, fixed_batch: bool = False, return_states: bool = False):
     """Generate for already-validated token prompts with a built engine (see `generate`).
-    Batches are padded to `batch_size` rows (or to the number of prompts when that is smaller,
-    unless `fixed_batch`) and prompts to `width` (default: the longest prompt), so every batch of
-    a call runs the same compiled program."""
+    Batches are padded to `batch_size` rows (unless `fixed_batch`, to fewer when there are fewer
+    prompts: the next `bucket` size) and prompts to `width` (default: the longest prompt's `bucket`
+    size, at least MIN_PROMPT_WIDTH), so every batch of a call runs the same compiled program, and
+    calls with prompts of nearby lengths share it: a process compiles a handful of programs, not
+    one per prompt length. Padding is exact: padded positions are masked and idle rows ignored."""
     spec = engine.spec
     if not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
         raise ConfigError(f"batch_size={batch_size!r} is invalid: expected a positive integer")
@@ -469,11 +486,11 @@ def run_engine(engine: Engine, prompts: Sequence[Sequence[int]], *, seed: int = 
         raise ConfigError(f"tau={tau!r} is invalid: expected a value in [0, 1]")
     line_numbers = list(range(len(prompts))) if line_numbers is None else list(line_numbers)
     if not fixed_batch:
-        batch_size = min(int(batch_size), max(1, len(prompts)))
+        batch_size = min(int(batch_size), bucket(len(prompts)))
     if spec.sharding is not None:  # whole rows per device: pad the batch with idle rows
         n = spec.sharding.axis_size("batch")
         batch_size = -(-batch_size // n) * n
-    width = width or max(len(p) for p in prompts)
+    width = width or bucket(max(len(p) for p in prompts), MIN_PROMPT_WIDTH, spec.cfg.max_seq_len - spec.max_new)
     results, states = [], []
     for start in range(0, len(prompts), batch_size):
         chunk = prompts[start:start + batch_size]

@@ -4,8 +4,10 @@ in a child given `child_env`; the settings before the block come back after it."
 
 import json
 import os
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -97,3 +99,68 @@ def test_the_demos_one_core_child_gets_the_cache_and_runs_greedy_only(tmp_path, 
     assert "--cpu_cores=1" in seen["cmd"] and not any(a.startswith("--temperature") for a in seen["cmd"])
     assert "--gamma=m2r2_spec=4,distance_spec=4" in seen["cmd"]
     assert got["methods"]["m2r2_spec"]["gamma"] == 4 and "sampled" not in got
+
+
+# ----------------------------------------------------------------- the CLI verbs' default cache
+
+
+def _cli_env(**extra) -> dict:
+    from conftest import cpu_xla_flags
+
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("JAX_COMPILATION_CACHE_DIR", "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS")}
+    return {**env, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": cpu_xla_flags(1), **extra}
+
+
+def test_a_second_generate_loads_the_first_ones_programs(tmp_path):
+    """`m2r2 generate` twice with nothing configured but the default location (here HOME's): the
+    first run writes its programs, the second loads them all (JAX logs hits and misses)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "decoding"))
+    from decoding_helpers import model
+
+    from m2r2_jax.models.checkpoint import save_model
+
+    ckpt = save_model(tmp_path / "base", *model("llama", vocab_size=64))
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"tokens": [1, 2, 3, 4, 5]}\n{"tokens": [7, 8, 9]}\n')
+    home = tmp_path / "home"
+    # every program is kept (the tiny model's compile in well under MIN_COMPILE_S otherwise)
+    env = _cli_env(HOME=str(home), JAX_LOG_COMPILES="1", JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
+    env.pop("M2R2_COMPILE_CACHE", None)
+
+    def generate(out):
+        r = subprocess.run([sys.executable, "-m", "m2r2_jax.cli.main", "generate", f"--checkpoint={ckpt}",
+                            f"--prompts={prompts}", f"--out={tmp_path / out}", "--max_new_tokens=6"],
+                           capture_output=True, text=True, env=env, timeout=300)
+        assert r.returncode == 0, r.stderr[-2000:]
+        return r.stderr
+
+    first = generate("a.jsonl")
+    cache = home / ".cache" / "m2r2_jax" / "xla"
+    hit = re.compile(r"Persistent compilation cache hit for '\w*run_batch'")
+    assert "run_batch" in first and not hit.search(first)
+    assert any(cache.iterdir())
+    second = generate("b.jsonl")
+    assert hit.search(second)
+    assert (tmp_path / "a.jsonl").read_text() == (tmp_path / "b.jsonl").read_text()
+
+
+def test_cli_default_location_precedence_and_off(tmp_path, monkeypatch, capsys):
+    before = jax.config.jax_compilation_cache_dir
+    try:
+        jax.config.update("jax_compilation_cache_dir", str(tmp_path / "jax_own"))
+        assert compile_cache.cli_default() == str(tmp_path / "jax_own")  # JAX's setting wins
+        jax.config.update("jax_compilation_cache_dir", None)
+        monkeypatch.setenv(compile_cache.CACHE_ENV, "off")
+        assert compile_cache.cli_default() is None and jax.config.jax_compilation_cache_dir is None
+        monkeypatch.setenv(compile_cache.CACHE_ENV, str(tmp_path / "mine"))
+        assert compile_cache.cli_default() == str(tmp_path / "mine") == jax.config.jax_compilation_cache_dir
+        compile_cache.leave_default_for_multiprocess()  # a jax.distributed run: not the shared default
+        assert jax.config.jax_compilation_cache_dir is None
+        (tmp_path / "a_file").write_text("")
+        monkeypatch.setenv(compile_cache.CACHE_ENV, str(tmp_path / "a_file" / "cache"))
+        assert compile_cache.cli_default() is None
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("m2r2: warning: compiling without a persistent cache:")
+    finally:
+        jax.config.update("jax_compilation_cache_dir", before)

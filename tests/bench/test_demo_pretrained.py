@@ -19,7 +19,6 @@ from m2r2_jax.errors import CheckpointError, ConfigError  # noqa: E402
 from m2r2_jax.m2r2.checkpoint import export_portable, load_m2r2, save_m2r2  # noqa: E402
 from m2r2_jax.m2r2.config import M2R2Config  # noqa: E402
 from m2r2_jax.m2r2.fast_stream import init_m2r2_params  # noqa: E402
-from m2r2_jax.models.transformer import init_params  # noqa: E402
 
 from conftest import tiny_config  # noqa: E402
 
@@ -94,7 +93,6 @@ def test_a_bad_recipe_override_is_one_line(tmp_path, tiny_gguf):
 
 def _tiny_m2r2(tmp_path):
     cfg = tiny_config()
-    params = init_params(cfg, jax.random.key(0))
     mcfg = M2R2Config(branch_layer=1, rate=2, lora_rank=4).validate(cfg)
     m2r2 = jax.tree.map(lambda a: a + 0.01 * jax.random.normal(jax.random.key(1), a.shape, a.dtype),
                         init_m2r2_params(cfg, mcfg, jax.random.key(2)))
