@@ -1,5 +1,5 @@
-"""Reading JSON files that users and other tools hand us (checkpoint metadata, config.json), and
-writing JSON-lines outputs all at once."""
+"""Reading JSON files that users and other tools hand us (checkpoint metadata, config.json),
+writing JSON-lines outputs all at once, and a report printed and saved."""
 
 from __future__ import annotations
 
@@ -29,3 +29,13 @@ def write_jsonl_atomic(path, rows) -> None:
 
     Path(path).absolute().parent.mkdir(parents=True, exist_ok=True)
     write_text_atomic(path, "".join(json.dumps(row) + "\n" for row in rows))
+
+
+def emit_json_report(report: dict, out=None) -> None:
+    """Print `report` as indented JSON and, with `out`, write the same text there atomically."""
+    from m2r2_jax.atomic import write_text_atomic
+
+    text = json.dumps(report, indent=2)
+    if out:
+        write_text_atomic(out, text + "\n")
+    print(text)

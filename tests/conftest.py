@@ -90,7 +90,16 @@ def tiny_config(family: str = "llama", **kw) -> ModelConfig:
         base.update(qkv_bias=True)
     if family == "olmoe":
         base.update(qk_norm=True)
+    if family == "gemma3":
+        # Gemma 3's layer, with a window short enough for the tests' sequences and a local layer
+        # pattern (every third layer global) that puts both kinds in 3+ layers; head_dim != d/H
+        base.update(head_dim=16, sliding_window=4, rope_theta=1e6, rope_local_theta=1e4, qk_norm=True,
+                    qk_norm_per_head=True, norm_unit_offset=True, post_norms=True, mlp_activation="gelu_tanh",
+                    scale_embeddings=True, query_pre_attn_scalar=16, tie_embeddings=True)
     base.update(kw)
+    if family == "gemma3" and "layer_types" not in kw:
+        base["layer_types"] = tuple("full_attention" if (i + 1) % 3 == 0 else "sliding_attention"
+                                    for i in range(base["n_layers"]))
     return ModelConfig(**base).validate()
 
 

@@ -20,7 +20,6 @@ Needs the `dev` extra (torch, transformers, gguf); not on the package's import p
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -121,12 +120,9 @@ def main(argv=None) -> dict:
               "prompts": rows, "first_call_speedup": ratio("first"), "steady_speedup": ratio("steady"),
               "all_tokens_equal": all(r["same_tokens"] for r in rows),
               "roofline": ar_roofline(cfg, params, steady)}
-    text = json.dumps(report, indent=2)
-    if a.out:
-        from m2r2_jax.atomic import write_text_atomic
+    from m2r2_jax.json_files import emit_json_report
 
-        write_text_atomic(a.out, text + "\n")
-    print(text)
+    emit_json_report(report, a.out)
     return report
 
 

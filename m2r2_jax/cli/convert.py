@@ -1,12 +1,12 @@
 """`m2r2 convert (--hf DIR | --gguf FILE.gguf) --out CKPT_DIR [--dtype float32|bfloat16|float16] [--force]`
 
 --hf imports a Hugging Face checkpoint (config.json + *.safetensors, single file or sharded with an
-index) of a supported family (llama, mistral, qwen2, phi3, mixtral, qwen2_moe, olmoe), copying
+index) of a supported family (llama, mistral, qwen2, phi3, mixtral, qwen2_moe, olmoe, gemma3), copying
 tokenizer.model / tokenizer.json with tokenizer_config.json, generation_config.json and
 chat_template.jinja when present. The dtype defaults to the one recorded in config.json (float32
 when absent).
 
---gguf imports a llama.cpp GGUF file (architectures llama, qwen2; every quantisation the gguf
+--gguf imports a llama.cpp GGUF file (architectures llama, qwen2, gemma3; every quantisation the gguf
 package dequantises), with the tokenizer, special ids, stop ids and chat template rebuilt from its
 metadata. The dtype defaults to float32, which keeps the dequantised weights exact.
 """

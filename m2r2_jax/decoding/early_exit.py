@@ -110,20 +110,22 @@ def _window_full(win, cache_len: int, n_layers: int):
     return ~jnp.any(free, axis=1)
 
 
-def _propagate(cfg: ModelConfig, base, cache, state, pos, fill_fn, lo: int):
+def _propagate(cfg: ModelConfig, base, cache, state, pos, fill_fn, lo: int, any_skipped):
     """Write layer l's k/v projections of `state` [B, 1, d] at pos for layers l in [lo, N) where
-    fill_fn(l) [B] is True (CALM-style copying of the exit state into skipped layers)."""
+    fill_fn(l) [B] is True (CALM-style copying of the exit state into skipped layers). Skipped
+    entirely in a round where no token exited (`any_skipped` False): the projections of every
+    layer would cost a good part of a forward pass for nothing."""
     s = cache_length(cache)
     mod = DecoderLayer(cfg)
 
     def body(l, cache):
         v = {"params": layer_params(base, l)}
         xn = mod.apply(v, state, method="norm_attn")
-        _, k, vv = mod.apply(v, xn, pos[:, None], method="qkv")
+        _, k, vv = mod.apply(v, xn, pos[:, None], layer=l, method="qkv")
         wp = jnp.where(fill_fn(l), pos, s)[:, None]
         return cache_write(cache, l, wp, k, vv)
 
-    return jax.lax.fori_loop(lo, cfg.n_layers, body, cache)
+    return jax.lax.cond(any_skipped, lambda c: jax.lax.fori_loop(lo, cfg.n_layers, body, c), lambda c: c, cache)
 
 
 # --------------------------------------------------------------------------------------------
@@ -166,8 +168,18 @@ class DistanceExit:
             l, x, exited = c["l"], c["x"], c["exited"]
             running = running_of(exited)
             x_new, cache, win_, dc = _layer_step(cfg, base, l, x, pos, running, c["cache"], c["win"])
-            logits = head(cfg, base, x_new, params.get("exit_norm_scale"))[:, 0]
-            newly = running & ~exited & (self._fires(logits, x_new, x, tau) | (l == n - 1))
+
+            def exit_logits():
+                return head(cfg, base, x_new, params.get("exit_norm_scale"))[:, 0]
+
+            if self.decider == "confidence":  # the decider reads the head's distribution itself
+                logits = exit_logits()
+                fires = self._fires(logits, x_new, x, tau)
+            else:  # the head only where a token leaves: a layer where none does pays no head
+                fires = self._fires(None, x_new, x, tau)
+            newly = running & ~exited & (fires | (l == n - 1))
+            if self.decider != "confidence":
+                logits = jax.lax.cond(jnp.any(newly), exit_logits, lambda: c["logits"])
             return {
                 "l": l + 1,
                 "x": jnp.where(running[:, None, None], x_new, x),
@@ -190,7 +202,8 @@ class DistanceExit:
         if deferred:
             extra = _insert(c["win"], s, n, pos, skipped & ~forced, c["h_exit"][:, 0], exit_layer + 1)
         else:
-            cache = _propagate(cfg, base, cache, c["h_exit"], pos, lambda l: skipped & (l > exit_layer), 1)
+            cache = _propagate(cfg, base, cache, c["h_exit"], pos, lambda l: skipped & (l > exit_layer), 1,
+                               jnp.any(skipped))
             extra = st.extra
         tok = select(round_keys(st.keys, st.it + 1), c["logits"], sampling)
         st = st._replace(cache=cache, extra=extra, target_layers=st.target_layers + c["cost"],
@@ -216,7 +229,7 @@ class M2R2Exit:
         return (draft_cost_layers(self.cfg, self.mcfg) - self.mcfg.branch_layer) / k
 
     def round(self, sampling: Sampling, max_new: int, eos_ids: tuple[int, ...], params, tau, st: GenState) -> GenState:
-        from m2r2_jax.m2r2.fast_stream import exit_head_logits, fast_step, init_traj, visited_layers
+        from m2r2_jax.m2r2.fast_stream import fast_step, init_traj, visited_layers
 
         cfg, mcfg, base, m2 = self.cfg, self.mcfg, params["base"], params["m2r2"]
         n, s, bl, k = cfg.n_layers, cache_length(st.cache), mcfg.branch_layer, mcfg.steps(cfg)
@@ -238,8 +251,10 @@ class M2R2Exit:
         def body(c):
             i, run = c["i"], ~c["fired"]
             wp = jnp.where(run, pos, s)[:, None]
-            g, cache, traj, el = fast_step(cfg, mcfg, base, m2, i, c["g"], wp, c["cache"], c["traj"])
-            logits = exit_head_logits(cfg, mcfg, base, m2, i, g)[:, 0]
+            # the step's exit-head logits come with it: the router reads them, an exiting token is
+            # drawn from them (one vocabulary-wide head per step, not two)
+            g, cache, traj, el, logits = fast_step(cfg, mcfg, base, m2, i, c["g"], wp, c["cache"], c["traj"])
+            logits = logits[:, 0]
             newly = run & (jax.nn.sigmoid(el[:, 0].astype(jnp.float32)) >= tau)
             return {
                 "i": i + 1, "g": jnp.where(run[:, None, None], g, c["g"]), "cache": cache, "traj": traj,
@@ -274,7 +289,7 @@ class M2R2Exit:
                 seen = jnp.any((vis[None, :] == l) & (jnp.arange(k)[None, :] <= exit_step[:, None]), axis=1)
                 return skipped & ~seen
 
-            cache = _propagate(cfg, base, cache, c["g"], pos, fill, bl)
+            cache = _propagate(cfg, base, cache, c["g"], pos, fill, bl, jnp.any(skipped))
             extra = st.extra
         tok = select(round_keys(st.keys, st.it + 1), logits, sampling)
         st = st._replace(cache=cache, extra=extra,

@@ -70,7 +70,7 @@ def convert_hf(hf_dir, out_dir, dtype: Optional[str] = None, overwrite: bool = F
 
 
 def convert_gguf(path, out_dir, dtype: Optional[str] = None, overwrite: bool = False) -> Path:
-    """Convert a GGUF file (`gguf_io`: llama / qwen2 architectures, any quantisation the gguf
+    """Convert a GGUF file (`gguf_io`: llama / qwen2 / gemma3 architectures, any quantisation the gguf
     package dequantises) into a model checkpoint at `out_dir`, with the tokenizer rebuilt from its
     metadata. `dtype` defaults to float32, which keeps the dequantised weights exact."""
     import tempfile

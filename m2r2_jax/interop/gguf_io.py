@@ -13,9 +13,16 @@ llama.cpp's converter reorders the rows of the Q and K projections of `llama`-ar
 (rotary embedding on interleaved pairs instead of the two halves of each head); the order is
 restored here. Architectures whose tensors are not reordered (qwen2) are read as they are.
 
-Supported GGUF architectures: `llama` (Llama, Mistral and Mixtral-style MoE files all use it) and
-`qwen2`. Anything else is refused in one line naming it, as is any metadata this decoder cannot
-reproduce exactly (other rope scalings, per-layer rope frequency tensors).
+Supported GGUF architectures: `llama` (Llama, Mistral and Mixtral-style MoE files all use it),
+`qwen2` and `gemma3`. Anything else is refused in one line naming it, as is any metadata this decoder
+cannot reproduce exactly (other rope scalings, per-layer rope frequency tensors).
+
+`gemma3` follows llama.cpp's reading of the file: its converter stores every norm weight as 1 + w
+(Gemma's RMSNorm scales by 1 + w), undone here; the metadata holds no layer pattern, local RoPE base
+or attention scale, so llama.cpp's fixed values are used: every sixth layer global, the others
+sliding with RoPE base 10,000 (no sliding_window key: all global), and the query scale
+head_dim**-0.5 except for the 62-layer 27B model, whose query_pre_attn_scalar is
+embedding_length / head_count.
 """
 
 from __future__ import annotations
@@ -29,7 +36,7 @@ from m2r2_jax.errors import CheckpointError, ConfigError
 from m2r2_jax.models.config import DTYPES, ModelConfig, RopeScaling
 
 # GGUF architecture -> our family for a dense model (MoE files of the llama architecture: mixtral)
-ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2"}
+ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "gemma3": "gemma3"}
 # Architectures whose Q/K rows llama.cpp's converter reorders for its interleaved rotary embedding.
 _PERMUTED_QK = ("llama",)
 
@@ -49,6 +56,24 @@ _LAYER_NAMES = {
     "mlp.down_proj.weight": "ffn_down.weight",
     "block_sparse_moe.gate.weight": "ffn_gate_inp.weight",
 }
+# Gemma 3's per-layer names where they differ (a norm before and after each sub-block, q/k norms)
+_GEMMA3_LAYER_NAMES = {
+    **{k: v for k, v in _LAYER_NAMES.items() if "bias" not in k and "block_sparse_moe" not in k},
+    "post_attention_layernorm.weight": "post_attention_norm.weight",
+    "pre_feedforward_layernorm.weight": "ffn_norm.weight",
+    "post_feedforward_layernorm.weight": "post_ffw_norm.weight",
+    "self_attn.q_norm.weight": "attn_q_norm.weight",
+    "self_attn.k_norm.weight": "attn_k_norm.weight",
+}
+# llama.cpp's fixed Gemma 3 values (llama-model.cpp): layer pattern, local RoPE base
+_GEMMA3_SWA_PATTERN = 6
+_GEMMA3_LOCAL_ROPE_BASE = 10000.0
+
+
+def _layer_names(arch: str) -> dict:
+    return _GEMMA3_LAYER_NAMES if arch == "gemma3" else _LAYER_NAMES
+
+
 _GLOBAL_NAMES = {
     "model.embed_tokens.weight": "token_embd.weight",
     "model.norm.weight": "output_norm.weight",
@@ -59,15 +84,16 @@ _EXPERT_NAMES = {"w1": ("ffn_gate_exps.weight", "ffn_gate"), "w3": ("ffn_up_exps
                  "w2": ("ffn_down_exps.weight", "ffn_down")}
 
 
-def gguf_name(hf_name: str) -> str:
+def gguf_name(hf_name: str, arch: str = "llama") -> str:
     """The llama.cpp name of a Hugging Face tensor name (for messages about missing tensors)."""
     if hf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[hf_name]
     parts = hf_name.split(".")
+    names = _layer_names(arch)
     if parts[:2] == ["model", "layers"] and len(parts) > 3:
         suffix = ".".join(parts[3:])
-        if suffix in _LAYER_NAMES:
-            return f"blk.{parts[2]}.{_LAYER_NAMES[suffix]}"
+        if suffix in names:
+            return f"blk.{parts[2]}.{names[suffix]}"
         if "experts" in parts and parts[-2] in _EXPERT_NAMES:
             return f"blk.{parts[2]}.{_EXPERT_NAMES[parts[-2]][0]}"
     return hf_name
@@ -198,8 +224,11 @@ def config_from_gguf(g: GGUFFile, dtype: Optional[str] = None) -> ModelConfig:
     tokens = g.fields.get("tokenizer.ggml.tokens")
     vocab = _int(g, "vocab_size", len(tokens.data) if tokens is not None else None)
     n_experts = int(g.arch("expert_count", 0, required=False) or 0)
+    n_layers = _int(g, "block_count")
     kw: dict[str, Any] = {}
     family = ARCHITECTURES[arch]
+    if arch == "gemma3":
+        kw = _gemma3_fields(g, n_layers, d_model, n_heads, head_dim)
     if n_experts:
         if arch != "llama":
             raise ConfigError(f"{g.path}: an MoE file of architecture {arch!r} is not supported (llama: Mixtral-style)")
@@ -211,7 +240,7 @@ def config_from_gguf(g: GGUFFile, dtype: Optional[str] = None) -> ModelConfig:
         raise ConfigError(f"dtype={dtype!r} is invalid: expected one of {', '.join(DTYPES)}")
     try:
         return ModelConfig(
-            family=family, vocab_size=vocab, d_model=d_model, n_layers=_int(g, "block_count"), n_heads=n_heads,
+            family=family, vocab_size=vocab, d_model=d_model, n_layers=n_layers, n_heads=n_heads,
             n_kv_heads=n_kv, head_dim=head_dim, d_ff=_int(g, "feed_forward_length"),
             max_seq_len=_int(g, "context_length"), rms_eps=_float(g, "attention.layer_norm_rms_epsilon"),
             rope_theta=_float(g, "rope.freq_base", 10000.0), rope_scaling=rope,
@@ -220,6 +249,34 @@ def config_from_gguf(g: GGUFFile, dtype: Optional[str] = None) -> ModelConfig:
         ).validate()
     except ConfigError as e:
         raise ConfigError(f"{g.path}: the metadata gives an invalid model: {e}") from None
+
+
+def _gemma3_fields(g: GGUFFile, n_layers: int, d_model: int, n_heads: int, head_dim: int) -> dict[str, Any]:
+    """The ModelConfig fields of a gemma3 file beyond the common ones, as llama.cpp reads them."""
+    window = g.arch("attention.sliding_window", 0, required=False) or 0
+    if isinstance(window, bool) or not isinstance(window, (int, np.integer)) or window < 0:
+        raise ConfigError(f"{g.path}: gemma3.attention.sliding_window={window!r} is invalid: expected an integer")
+    pattern = g.arch("attention.sliding_window_pattern", _GEMMA3_SWA_PATTERN, required=False)
+    if isinstance(pattern, list):  # one flag per layer
+        if len(pattern) != n_layers:
+            raise ConfigError(f"{g.path}: gemma3.attention.sliding_window_pattern has {len(pattern)} entries for "
+                              f"{n_layers} layers")
+        sliding = [bool(x) for x in pattern]
+    else:
+        if isinstance(pattern, bool) or not isinstance(pattern, (int, np.integer)) or pattern <= 0:
+            raise ConfigError(f"{g.path}: gemma3.attention.sliding_window_pattern={pattern!r} is invalid")
+        sliding = [(i + 1) % int(pattern) != 0 for i in range(n_layers)]
+    if not window:
+        sliding = [False] * n_layers
+    cap = g.arch("final_logit_softcapping", 0.0, required=False) or 0.0
+    if isinstance(cap, bool) or not isinstance(cap, (int, float, np.floating)) or not np.isfinite(cap) or cap < 0:
+        raise ConfigError(f"{g.path}: gemma3.final_logit_softcapping={cap!r} is invalid")
+    return dict(layer_types=tuple("sliding_attention" if s else "full_attention" for s in sliding),
+                sliding_window=int(window) if window else None, rope_local_theta=_GEMMA3_LOCAL_ROPE_BASE,
+                qk_norm=True, qk_norm_per_head=True, norm_unit_offset=True, post_norms=True,
+                mlp_activation="gelu_tanh", scale_embeddings=True,
+                query_pre_attn_scalar=float(d_model // n_heads if n_layers == 62 else head_dim),
+                final_logit_softcap=float(cap) if cap else None)
 
 
 def unpermute_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
@@ -249,23 +306,29 @@ class GGUFWeights:
         self._cache: dict[str, np.ndarray] = {}
         self.consumed: set[str] = set()
         permuted = g.architecture in _PERMUTED_QK
+        shifted = g.architecture == "gemma3"  # norm weights stored as 1 + w
 
         def same(a):
             return a
+
+        def unshift(a):
+            return a - np.float32(1.0)
 
         def qk(n):
             return (lambda a: unpermute_rows(a, n)) if permuted else same
 
         for hf, gg in _GLOBAL_NAMES.items():
             if gg in g.tensors:
-                self._map[hf] = (gg, same)
+                self._map[hf] = (gg, unshift if shifted and hf.endswith("norm.weight") else same)
         for i in range(cfg.n_layers):
-            for suffix, gg in _LAYER_NAMES.items():
+            for suffix, gg in _layer_names(g.architecture).items():
                 name = f"blk.{i}.{gg}"
                 if name not in g.tensors:
                     continue
                 fix = same
-                if suffix.startswith("self_attn.q_proj"):
+                if shifted and suffix.endswith("norm.weight"):
+                    fix = unshift
+                elif suffix.startswith("self_attn.q_proj"):
                     fix = qk(cfg.n_heads)
                 elif suffix.startswith("self_attn.k_proj"):
                     fix = qk(cfg.n_kv_heads)
@@ -299,7 +362,7 @@ class GGUFWeights:
     def get(self, name: str, shape) -> np.ndarray:
         shape = tuple(int(s) for s in shape)
         if name not in self._map:
-            raise CheckpointError(f"{self.g.path}: tensor {gguf_name(name)!r} is missing")
+            raise CheckpointError(f"{self.g.path}: tensor {gguf_name(name, self.g.architecture)!r} is missing")
         gg, fix = self._map[name]
         arr = fix(self._raw(gg))
         if tuple(arr.shape) != shape:

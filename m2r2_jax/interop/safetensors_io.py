@@ -7,7 +7,11 @@ ours are [in, out]. Per-layer tensors are stacked on a leading [L] axis and per-
 (`block_sparse_moe.experts.{e}.w1/w2/w3` for Mixtral, `mlp.experts.{e}.gate_proj/up_proj/down_proj`
 for Qwen2-MoE and OLMoE; transformers 5 `save_pretrained` writes this layout too) and the fused
 in-memory layout of transformers 5 (`mlp.experts.gate_up_proj` [E, 2F, d], `mlp.experts.down_proj`
-[E, d, F]). Phi-3's fused `qkv_proj` and `gate_up_proj` are split.
+[E, d, F]). Phi-3's fused `qkv_proj` and `gate_up_proj` are split. Gemma 3's four norms per layer
+map to ours as input_layernorm -> attn_norm, post_attention_layernorm -> attn_post_norm,
+pre_feedforward_layernorm -> mlp_norm, post_feedforward_layernorm -> mlp_post_norm (elsewhere
+post_attention_layernorm is the MLP's pre-norm, our mlp_norm); its zero-centred weights are kept as
+they are (`ModelConfig.norm_unit_offset`).
 
 Every problem is one line naming the tensor and file: missing or unexpected tensors (rotary
 `inv_freq` buffers are ignored), wrong shapes, unreadable or truncated files.
@@ -152,6 +156,14 @@ def _expert_prefix(cfg: ModelConfig, names: set[str], i: int) -> str:
     return f"model.layers.{i}.mlp."
 
 
+def _norm_names(cfg: ModelConfig) -> dict[str, str]:
+    """Our per-layer norm leaves -> their Hugging Face names (under the layer's prefix)."""
+    if cfg.post_norms:  # Gemma 2/3: a norm before and after each sub-block
+        return {"attn_norm": "input_layernorm.weight", "attn_post_norm": "post_attention_layernorm.weight",
+                "mlp_norm": "pre_feedforward_layernorm.weight", "mlp_post_norm": "post_feedforward_layernorm.weight"}
+    return {"attn_norm": "input_layernorm.weight", "mlp_norm": "post_attention_layernorm.weight"}
+
+
 def _layer_getters(cfg: ModelConfig, r: WeightReader) -> dict[tuple[str, ...], Callable[[int], np.ndarray]]:
     """Our per-layer leaf path -> function(layer) returning that leaf for the layer, our layout."""
     d, H, KV, hd = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
@@ -167,10 +179,8 @@ def _layer_getters(cfg: ModelConfig, r: WeightReader) -> dict[tuple[str, ...], C
         return lambda i: r.get(P(i) + suffix, (n,))
 
     g: dict[tuple[str, ...], Callable[[int], np.ndarray]] = {
-        ("attn_norm", "scale"): vec("input_layernorm.weight", d),
-        ("mlp_norm", "scale"): vec("post_attention_layernorm.weight", d),
-        ("attn", "o_proj", "kernel"): lin("self_attn.o_proj.weight", d, q_out),
-    }
+        (leaf, "scale"): vec(hf, d) for leaf, hf in _norm_names(cfg).items()}
+    g[("attn", "o_proj", "kernel")] = lin("self_attn.o_proj.weight", d, q_out)
     if cfg.family == "phi3":
         def qkv(lo, hi):
             return lambda i: r.get(P(i) + "self_attn.qkv_proj.weight", (q_out + 2 * kv_out, d))[lo:hi].T
@@ -184,8 +194,8 @@ def _layer_getters(cfg: ModelConfig, r: WeightReader) -> dict[tuple[str, ...], C
         for name, n in (("q_proj", q_out), ("k_proj", kv_out), ("v_proj", kv_out)):
             g[("attn", name, "bias")] = vec(f"self_attn.{name}.bias", n)
     if cfg.qk_norm:
-        g[("attn", "q_norm", "scale")] = vec("self_attn.q_norm.weight", q_out)
-        g[("attn", "k_norm", "scale")] = vec("self_attn.k_norm.weight", kv_out)
+        g[("attn", "q_norm", "scale")] = vec("self_attn.q_norm.weight", hd if cfg.qk_norm_per_head else q_out)
+        g[("attn", "k_norm", "scale")] = vec("self_attn.k_norm.weight", hd if cfg.qk_norm_per_head else kv_out)
 
     if not cfg.is_moe:
         F = cfg.d_ff
@@ -335,8 +345,8 @@ def params_to_hf(cfg: ModelConfig, params, dtype: Optional[str] = None) -> dict[
     for i in range(cfg.n_layers):
         P = f"model.layers.{i}."
         at = L["attn"]
-        put(P + "input_layernorm.weight", L["attn_norm"]["scale"][i])
-        put(P + "post_attention_layernorm.weight", L["mlp_norm"]["scale"][i])
+        for leaf, hf in _norm_names(cfg).items():
+            put(P + hf, L[leaf]["scale"][i])
         if cfg.family == "phi3":
             put(P + "self_attn.qkv_proj.weight", np.concatenate(
                 [at[n]["kernel"][i].T for n in ("q_proj", "k_proj", "v_proj")], axis=0))

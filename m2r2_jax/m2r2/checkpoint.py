@@ -51,6 +51,19 @@ def load_m2r2_config(directory) -> M2R2Config:
         raise CheckpointError(f"{path}: {e}") from None
 
 
+def _same_architecture(saved, base_cfg: ModelConfig) -> bool:
+    """The base config saved with a checkpoint describes `base_cfg`. Read through
+    `ModelConfig.from_dict`, so fields added to ModelConfig after the checkpoint was written take
+    their defaults (which keep every existing family as it was) instead of making every older
+    checkpoint look foreign."""
+    if not isinstance(saved, dict):
+        return False
+    try:
+        return ModelConfig.from_dict(saved) == base_cfg
+    except (ConfigError, TypeError, ValueError):
+        return False
+
+
 def load_m2r2(directory, base_cfg: ModelConfig, base_fingerprint: str):
     """Returns (M2R2Config, params) after checking the checkpoint belongs to this base."""
     directory = Path(directory).absolute()
@@ -59,7 +72,7 @@ def load_m2r2(directory, base_cfg: ModelConfig, base_fingerprint: str):
     if not base_file.is_file():
         raise CheckpointError(f"{directory} is not an M2R2 checkpoint: {BASE_FILE} is missing")
     meta = read_json_object(base_file)
-    if meta.get("config") != json.loads(base_cfg.to_json()):
+    if not _same_architecture(meta.get("config"), base_cfg):
         raise CheckpointError(f"M2R2 checkpoint {directory} was trained on a different base architecture")
     if meta.get("fingerprint") != base_fingerprint:
         raise CheckpointError(

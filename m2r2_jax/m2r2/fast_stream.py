@@ -10,6 +10,20 @@ residual-rate op (`m2r2_jax.kernels.residual_rate_update`):
     x <- x + rho_attn * (attn_out + s * z_o B_o)     (and the next pre-norm, fused)
     x <- x + rho_mlp  * (mlp_out  + s * z_down B_down)
 
+With post-norms (`ModelConfig.post_norms`, Gemma 2/3) a sub-block's residual update is
+post_norm(block output): the RMSNorm after the sub-block is part of what the layer adds to the
+stream, so D_j keeps it and the rate vector scales the *normalised* update. The adapter terms then
+go inside it, on the projection they adapt (post_norm(attn_out + s * z_o B_o)), exactly as an
+adapted weight would; added after the norm they would bypass the per-channel gain that sets the
+update's scale. The fused op then gets the finished update and no low-rank term:
+
+    x <- x + rho_attn * post_attn_norm(attn_out + s * z_o B_o)
+    x <- x + rho_mlp  * post_mlp_norm(mlp_out  + s * z_down B_down)
+
+With zero-centred norm weights (`norm_unit_offset`, Gemma: x * (1 + w) applied in float32) the next
+pre-norm is computed by the layer itself rather than fused into the update (the fused op applies a
+weight in the Llama convention).
+
 Shared KV cache: the fast stream owns no cache. At step i its query attends to the slow cache of
 layer j_i for earlier positions plus its own K/V for the current one:
 - *decode* mode writes the fast K/V into the slow cache at (j_i, position) -- provisional entries
@@ -41,7 +55,7 @@ from m2r2_jax.m2r2.config import M2R2Config
 from m2r2_jax.m2r2.router import ARLARouter, StepMLP, step_scalars
 from m2r2_jax.models import transformer as T
 from m2r2_jax.models.config import ModelConfig
-from m2r2_jax.models.layers import DecoderLayer, attend, attention_mask, rms_norm
+from m2r2_jax.models.layers import DecoderLayer, attend, attention_mask, attention_options, layer_window, rms_norm
 from m2r2_jax.sharding.plan import active_plan
 
 
@@ -207,26 +221,40 @@ def _fast_layer(base: ModelConfig, mcfg: M2R2Config, base_params, sp, j, g, posi
     ad, scale = sp["adapters"], mcfg.lora_scale
     impl = mcfg.kernel_implementation
 
+    post = base.post_norms  # the adapter term goes inside the post-norm (module docstring)
+    fuse_norm = not base.norm_unit_offset
+
     # attention sub-block
     xn = mod.apply(v, g, method="norm_attn")
-    q, k, vv = mod.apply(v, xn, positions, ad, scale, method="qkv")
+    q, k, vv = mod.apply(v, xn, positions, ad, scale, layer=j, method="qkv")
     s = T.cache_length(cache)
     k_pos = jnp.broadcast_to(jnp.arange(s)[None], (g.shape[0], s))
+    window, opts = layer_window(base, j), attention_options(base)
     if train:
-        mask = attention_mask(positions, k_pos, base.sliding_window, strict=True)
-        a = attend(q, *T.layer_kv(cache, j), mask, k, vv)
+        mask = attention_mask(positions, k_pos, window, strict=True)
+        a = attend(q, *T.layer_kv(cache, j), mask, k, vv, **opts)
     else:
         cache = T.cache_write(cache, j, positions, k, vv)
-        mask = attention_mask(positions, k_pos, base.sliding_window)
-        a = attend(q, *T.layer_kv(cache, j), mask)
-    u = mod.apply(v, a, ad, scale, False, method="attn_out")
-    z, b_o = _lora(ad, "o_proj", a.reshape(*a.shape[:2], -1))
-    g, n = _rate_update(g, u, sp["rates"]["attn"], z, b_o, scale, impl, norm_weight=lp["mlp_norm"]["scale"],
-                        eps=base.rms_eps)
+        mask = attention_mask(positions, k_pos, window)
+        a = attend(q, *T.layer_kv(cache, j), mask, **opts)
+    if post:
+        u = mod.apply(v, mod.apply(v, a, ad, scale, True, method="attn_out"), method="post_attn")
+        z = b_o = None
+    else:
+        u = mod.apply(v, a, ad, scale, False, method="attn_out")
+        z, b_o = _lora(ad, "o_proj", a.reshape(*a.shape[:2], -1))
+    g, n = _rate_update(g, u, sp["rates"]["attn"], z, b_o, scale, impl,
+                        norm_weight=lp["mlp_norm"]["scale"] if fuse_norm else None, eps=base.rms_eps)
+    if not fuse_norm:
+        n = mod.apply(v, g, method="norm_mlp")
 
-    # MLP sub-block (n is the fused pre-norm of the new state)
+    # MLP sub-block (n is the pre-norm of the new state)
     router_logits = None
-    if not base.is_moe:
+    if not base.is_moe and post:
+        _, u, _ = mod.apply(v, n, ad, scale, True, method="mlp_block")
+        u = mod.apply(v, u, method="post_mlp")
+        z = b_d = None
+    elif not base.is_moe:
         hidden, u, _ = mod.apply(v, n, ad, scale, False, method="mlp_block")
         z, b_d = _lora(ad, "down_proj", hidden)
     else:
@@ -284,13 +312,15 @@ def branch(base: ModelConfig, mcfg: M2R2Config, base_params, tokens, positions, 
 
 def fast_step(base: ModelConfig, mcfg: M2R2Config, base_params, m2r2_params, i, g, positions, cache, traj):
     """Decode-mode fast step i (may be traced: for `lax.while_loop` early exit).
-    Returns (g_i, cache, traj, exit_logit [B, T]) where the exit logit is the router's."""
+    Returns (g_i, cache, traj, exit_logit [B, T], logits [B, T, V]): the router's exit logit and the
+    step's exit-head logits, which the router reads (max probability, entropy) and an exiting token
+    is drawn from; returned so that no caller pays for the vocabulary-wide head twice."""
     j = jnp.asarray(visited_layers(base, mcfg))[i]
     g_new, cache, _ = _fast_layer(base, mcfg, base_params, _step_params(m2r2_params, i), j, g, positions, cache, False)
     logits = exit_head_logits(base, mcfg, base_params, m2r2_params, i, g_new)
     z = traj["z"].at[i].set(router_project(base, mcfg, m2r2_params, i, g_new))
     exit_logit = router_score(base, mcfg, m2r2_params, z, i, step_scalars(logits, g_new, g))
-    return g_new, cache, {"z": z}, exit_logit
+    return g_new, cache, {"z": z}, exit_logit, logits
 
 
 # --------------------------------------------------------------------------------------------

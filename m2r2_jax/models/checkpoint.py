@@ -37,9 +37,27 @@ TOKENIZER_DIR = "tokenizer"
 FINGERPRINT_FILE = "fingerprint.json"
 
 
+# The ModelConfig fields that fingerprints have hashed from the start. A field added to ModelConfig
+# later is hashed only where it differs from its default, so every model that does not use it keeps
+# the fingerprint its M2R2 checkpoints recorded (the parameters shipped in m2r2_jax/pretrained/
+# included); a model that does use it gets a fingerprint of its own.
+FINGERPRINT_FIELDS = frozenset({
+    "d_ff", "d_model", "dtype", "family", "head_dim", "max_seq_len", "moe_d_ff", "n_experts", "n_experts_per_tok",
+    "n_heads", "n_kv_heads", "n_layers", "norm_topk_prob", "param_dtype", "partial_rotary_factor", "qk_norm",
+    "qkv_bias", "rms_eps", "rope_scaling", "rope_theta", "shared_expert_d_ff", "sliding_window", "tie_embeddings",
+    "vocab_size"})
+
+
+def fingerprint_config_json(cfg: ModelConfig) -> str:
+    """The config text a fingerprint hashes (see FINGERPRINT_FIELDS)."""
+    d, defaults = cfg.to_dict(), ModelConfig().to_dict()
+    kept = {k: v for k, v in d.items() if k in FINGERPRINT_FIELDS or v != defaults.get(k)}
+    return json.dumps(kept, indent=2, sort_keys=True)
+
+
 def params_fingerprint(cfg: ModelConfig, params) -> str:
     """Hash of the config and a small sample of the weights: identifies one base model."""
-    h = hashlib.sha256(cfg.to_json().encode())
+    h = hashlib.sha256(fingerprint_config_json(cfg).encode())
     for path, leaf in sorted(jax.tree_util.tree_flatten_with_path(params)[0], key=lambda x: str(x[0])):
         arr = np.asarray(leaf).reshape(-1)
         h.update(str(path).encode())

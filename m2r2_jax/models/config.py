@@ -1,7 +1,9 @@
 """Model configuration: one dataclass describes every supported decoder family.
 
 Families differ only by configuration and a few small hooks (qkv bias, q/k norms, MoE routing
-normalisation, a shared expert), so a single implementation in `transformer.py` serves them all.
+normalisation, a shared expert; for Gemma 3: interleaved local/global attention layers, norms after
+each sub-block, zero-centred norm weights, GeGLU, scaled embeddings, logit soft-capping), so a single
+implementation in `transformer.py` serves them all.
 The config is a frozen, hashable dataclass so it can be a static argument of `jax.jit`.
 """
 
@@ -13,13 +15,14 @@ from typing import Any, Optional
 
 from m2r2_jax.errors import CheckpointError, ConfigError
 
-DENSE_FAMILIES = ("llama", "mistral", "qwen2", "phi3")
+DENSE_FAMILIES = ("llama", "mistral", "qwen2", "phi3", "gemma3")
 MOE_FAMILIES = ("mixtral", "qwen2_moe", "olmoe")
 FAMILIES = DENSE_FAMILIES + MOE_FAMILIES
 ROPE_TYPES = ("default", "linear", "llama3")
 DTYPES = ("float32", "bfloat16", "float16")
-
-
+# Attention kinds of `ModelConfig.layer_types` (the names transformers uses)
+LAYER_TYPES = ("full_attention", "sliding_attention")
+MLP_ACTIVATIONS = ("silu", "gelu_tanh")  # SwiGLU; GeGLU with tanh-approximated GELU (gelu_pytorch_tanh)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,8 +52,23 @@ class ModelConfig:
     partial_rotary_factor: float = 1.0
     tie_embeddings: bool = False
     qkv_bias: bool = False
-    qk_norm: bool = False  # OLMoE: RMSNorm over the full q and k projections
+    qk_norm: bool = False  # RMSNorm of q and k: over the full projections (OLMoE) or per head (below)
     sliding_window: Optional[int] = None
+    # Per-layer attention kind ("full_attention" | "sliding_attention"), one per layer; empty: every
+    # layer alike (then `sliding_window`, if set, applies to all of them). With layer_types only the
+    # sliding layers use the window.
+    layer_types: tuple = ()
+    # RoPE base of the sliding layers (default rotary, no scaling; None: the global rotary, i.e.
+    # rope_theta + rope_scaling, as every layer uses). Gemma 3: 10,000 local vs 1,000,000 global.
+    rope_local_theta: Optional[float] = None
+    qk_norm_per_head: bool = False  # with qk_norm: RMSNorm over each head's head_dim (Gemma 3, Qwen3)
+    norm_unit_offset: bool = False  # RMSNorm weights zero-centred: x * (1 + w), applied in float32 (Gemma)
+    post_norms: bool = False  # a norm after each sub-block, before the residual add (Gemma 2/3)
+    mlp_activation: str = "silu"  # the gated MLP's activation: silu (SwiGLU) | gelu_tanh (GeGLU)
+    scale_embeddings: bool = False  # embeddings times sqrt(d_model), rounded to the parameter dtype (Gemma)
+    query_pre_attn_scalar: Optional[float] = None  # attention scale query_pre_attn_scalar**-0.5 (None: head_dim)
+    attn_logit_softcap: Optional[float] = None  # attention scores -> cap * tanh(scores / cap)
+    final_logit_softcap: Optional[float] = None  # LM-head logits -> cap * tanh(logits / cap)
     # MoE (n_experts == 0 means a dense MLP)
     n_experts: int = 0
     n_experts_per_tok: int = 0
@@ -61,10 +79,36 @@ class ModelConfig:
     dtype: str = "float32"  # compute dtype of activations and the KV cache
     param_dtype: str = "float32"
 
+    def __post_init__(self):
+        if isinstance(self.layer_types, list):  # from JSON; a tuple keeps the config hashable
+            object.__setattr__(self, "layer_types", tuple(self.layer_types))
+
     # -- derived -----------------------------------------------------------------------------
     @property
     def is_moe(self) -> bool:
         return self.n_experts > 0
+
+    def layer_window(self, i: int) -> Optional[int]:
+        """The attention window of layer i (None: full causal attention)."""
+        if not self.layer_types:
+            return self.sliding_window
+        return self.sliding_window if self.layer_types[i] == "sliding_attention" else None
+
+    @property
+    def layer_windows(self) -> tuple:
+        return tuple(self.layer_window(i) for i in range(self.n_layers))
+
+    @property
+    def uniform_layers(self) -> bool:
+        """Every layer attends alike (same window, same rotary): the layer index never matters."""
+        if len(set(self.layer_windows)) > 1:
+            return False
+        return self.rope_local_theta is None or "sliding_attention" not in self.layer_types
+
+    def local_rope(self, i: int) -> bool:
+        """Layer i uses the local rotary embedding (`rope_local_theta`)."""
+        return (self.rope_local_theta is not None and bool(self.layer_types)
+                and self.layer_types[i] == "sliding_attention")
 
     @property
     def rotary_dim(self) -> int:
@@ -97,6 +141,27 @@ class ModelConfig:
             fail("partial_rotary_factor", self.partial_rotary_factor, "expected (0, 1] giving an even rotary dim")
         if self.sliding_window is not None and self.sliding_window <= 0:
             fail("sliding_window", self.sliding_window, "expected a positive integer or None")
+        if not isinstance(self.layer_types, tuple):
+            fail("layer_types", self.layer_types, "expected a list of layer kinds")
+        if self.layer_types:
+            if len(self.layer_types) != self.n_layers:
+                fail("layer_types", self.layer_types, f"expected one entry per layer ({self.n_layers})")
+            bad = sorted({t for t in self.layer_types if t not in LAYER_TYPES})
+            if bad:
+                fail("layer_types", bad, f"expected entries of {', '.join(LAYER_TYPES)}")
+            if "sliding_attention" in self.layer_types and self.sliding_window is None:
+                fail("sliding_window", None, "sliding_attention layers need a window")
+        if self.rope_local_theta is not None and not (self.rope_local_theta > 0):
+            fail("rope_local_theta", self.rope_local_theta, "expected a positive float or None")
+        if self.qk_norm_per_head and not self.qk_norm:
+            fail("qk_norm_per_head", self.qk_norm_per_head, "needs qk_norm=True")
+        if self.mlp_activation not in MLP_ACTIVATIONS:
+            fail("mlp_activation", self.mlp_activation, f"expected one of {', '.join(MLP_ACTIVATIONS)}")
+        for name in ("query_pre_attn_scalar", "attn_logit_softcap", "final_logit_softcap"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or
+                                      not value > 0):
+                fail(name, value, "expected a positive number or None")
         if self.n_experts < 0:
             fail("n_experts", self.n_experts, "expected >= 0")
         if self.is_moe:
@@ -106,6 +171,14 @@ class ModelConfig:
                 fail("moe_d_ff", self.moe_d_ff, "expected a positive integer for an MoE model")
             if self.family not in MOE_FAMILIES:
                 fail("family", self.family, f"n_experts > 0 needs an MoE family ({', '.join(MOE_FAMILIES)})")
+            # The MoE-only paths (expert offloading, the fast stream's MoE MLP) compute the
+            # Llama-style layer: none of the Gemma layer options there.
+            for name, off in (("post_norms", False), ("norm_unit_offset", False), ("mlp_activation", "silu"),
+                              ("query_pre_attn_scalar", None), ("attn_logit_softcap", None)):
+                if getattr(self, name) != off:
+                    fail(name, getattr(self, name), f"not supported for an MoE model (expected {off!r})")
+            if not self.uniform_layers:
+                fail("layer_types", self.layer_types, "layers of one MoE model must attend alike")
         elif self.family in MOE_FAMILIES:
             fail("n_experts", self.n_experts, f"family {self.family} is MoE: expected n_experts > 0")
         if self.shared_expert_d_ff < 0:
@@ -138,6 +211,8 @@ class ModelConfig:
             d["rope_scaling"] = RopeScaling(**rs)
         elif rs is None:
             d["rope_scaling"] = RopeScaling()
+        if isinstance(d.get("layer_types"), list):
+            d["layer_types"] = tuple(d["layer_types"])
         return cls(**d)
 
     def replace(self, **kw) -> "ModelConfig":

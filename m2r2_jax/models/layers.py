@@ -9,13 +9,15 @@ of this code (the slow stream never passes adapters).
 from __future__ import annotations
 
 import math
+from functools import partial
 from typing import Any, Mapping, Optional
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from m2r2_jax.models.config import ModelConfig
+from m2r2_jax.models.config import ModelConfig, RopeScaling
 
 Array = jax.Array
 Adapters = Optional[Mapping[str, Mapping[str, Array]]]
@@ -28,10 +30,14 @@ def dtype_of(name: str):
     return {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}[name]
 
 
-def rms_norm(x: Array, scale: Array, eps: float) -> Array:
-    """RMSNorm computed in float32, cast back before the scale (the Llama convention)."""
+def rms_norm(x: Array, scale: Array, eps: float, unit_offset: bool = False) -> Array:
+    """RMSNorm computed in float32, cast back before the scale (the Llama convention). With
+    `unit_offset` (Gemma) the weight is zero-centred: x * (1 + scale), applied in float32 before the
+    cast."""
     x32 = x.astype(jnp.float32)
     y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    if unit_offset:
+        return (y * (1.0 + scale.astype(jnp.float32))).astype(x.dtype)
     return scale.astype(x.dtype) * y.astype(x.dtype)
 
 
@@ -44,11 +50,18 @@ def lora_term(x: Array, lora: Optional[Mapping[str, Array]], scale: float) -> Op
 
 class RMSNorm(nn.Module):
     eps: float = 1e-6
+    unit_offset: bool = False  # zero-centred weight (Gemma): initialised at 0, i.e. the identity scale
 
     @nn.compact
     def __call__(self, x: Array) -> Array:
-        scale = self.param("scale", nn.initializers.ones, (x.shape[-1],), jnp.float32)
-        return rms_norm(x, scale, self.eps)
+        init = nn.initializers.zeros if self.unit_offset else nn.initializers.ones
+        scale = self.param("scale", init, (x.shape[-1],), jnp.float32)
+        return rms_norm(x, scale, self.eps, self.unit_offset)
+
+
+def norm_module(cfg: ModelConfig) -> RMSNorm:
+    """The model's RMSNorm (its epsilon and weight convention)."""
+    return RMSNorm(cfg.rms_eps, cfg.norm_unit_offset)
 
 
 class Linear(nn.Module):
@@ -71,10 +84,16 @@ class Linear(nn.Module):
 # --------------------------------------------------------------------------------------------
 # Rotary position embedding
 # --------------------------------------------------------------------------------------------
-def rope_inv_freq(cfg: ModelConfig) -> jnp.ndarray:
-    dim = cfg.rotary_dim
-    inv_freq = 1.0 / (cfg.rope_theta ** (jnp.arange(0, dim, 2, dtype=jnp.float32) / dim))
-    rs = cfg.rope_scaling
+def rope_inv_freq(cfg: ModelConfig, local: bool = False) -> jnp.ndarray:
+    """Inverse frequencies of the global rotary embedding (rope_theta, rope_scaling) or, `local`,
+    of the sliding layers' own (rope_local_theta, no scaling)."""
+    if local:
+        return _inv_freq(cfg.rotary_dim, cfg.rope_local_theta, RopeScaling())
+    return _inv_freq(cfg.rotary_dim, cfg.rope_theta, cfg.rope_scaling)
+
+
+def _inv_freq(dim: int, theta: float, rs: RopeScaling) -> jnp.ndarray:
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, dim, 2, dtype=jnp.float32) / dim))
     if rs.rope_type == "linear":
         inv_freq = inv_freq / rs.factor
     elif rs.rope_type == "llama3":
@@ -90,10 +109,49 @@ def rope_inv_freq(cfg: ModelConfig) -> jnp.ndarray:
     return inv_freq
 
 
-def apply_rope(x: Array, positions: Array, cfg: ModelConfig) -> Array:
-    """x: [B, T, H, hd]; positions: [B, T]. Half-split (rotate_half) convention, partial rotary."""
+def _is_static_index(layer) -> bool:
+    return isinstance(layer, (int, np.integer)) and not isinstance(layer, bool)
+
+
+def layer_inv_freq(cfg: ModelConfig, layer) -> jnp.ndarray:
+    """Inverse frequencies of layer `layer` (a Python int or a traced index, e.g. inside the
+    `lax.scan` over stacked layers). Models whose layers all share one rotary embedding ignore
+    `layer` (it may be None); the others (Gemma 3: local vs global layers) need it."""
+    local = tuple(cfg.local_rope(i) for i in range(cfg.n_layers))
+    if not any(local):
+        return rope_inv_freq(cfg)
+    if layer is None:
+        raise ValueError(f"{cfg.family}: layers differ in their rotary embedding: pass the layer index (layer=)")
+    if _is_static_index(layer):
+        return rope_inv_freq(cfg, local[int(layer)])
+    return jnp.where(jnp.asarray(local)[layer], rope_inv_freq(cfg, True), rope_inv_freq(cfg))
+
+
+# The window of a full-attention layer when windows are looked up per layer with a traced index:
+# larger than any position distance.
+NO_WINDOW = 2**31 - 1
+
+
+def layer_window(cfg: ModelConfig, layer):
+    """Attention window of layer `layer` (static or traced): a Python int or None when every layer
+    has the same one (then `layer` is ignored and may be None), else that layer's window (an int32
+    scalar when `layer` is traced, NO_WINDOW for a full-attention layer)."""
+    windows = cfg.layer_windows
+    if len(set(windows)) == 1:
+        return windows[0]
+    if layer is None:
+        raise ValueError(f"{cfg.family}: layers differ in their attention window: pass the layer index")
+    if _is_static_index(layer):
+        return windows[int(layer)]
+    return jnp.asarray([NO_WINDOW if w is None else w for w in windows], jnp.int32)[layer]
+
+
+def apply_rope(x: Array, positions: Array, cfg: ModelConfig, inv_freq: Optional[Array] = None) -> Array:
+    """x: [B, T, H, hd]; positions: [B, T]. Half-split (rotate_half) convention, partial rotary.
+    `inv_freq`: the layer's (`layer_inv_freq`); default the global rotary embedding."""
     rot = cfg.rotary_dim
-    freqs = positions[..., None].astype(jnp.float32) * rope_inv_freq(cfg)  # [B, T, rot/2]
+    inv_freq = rope_inv_freq(cfg) if inv_freq is None else inv_freq
+    freqs = positions[..., None].astype(jnp.float32) * inv_freq  # [B, T, rot/2]
     emb = jnp.concatenate([freqs, freqs], axis=-1)[:, :, None, :]  # [B, T, 1, rot]
     cos, sin = jnp.cos(emb), jnp.sin(emb)
     x_rot, x_pass = x[..., :rot], x[..., rot:]
@@ -106,8 +164,9 @@ def apply_rope(x: Array, positions: Array, cfg: ModelConfig) -> Array:
 # --------------------------------------------------------------------------------------------
 # Attention
 # --------------------------------------------------------------------------------------------
-def attention_mask(q_pos: Array, k_pos: Array, sliding_window: Optional[int], strict: bool = False) -> Array:
-    """[B, Tq, S] boolean: key visible to query (causal by absolute position, optional window)."""
+def attention_mask(q_pos: Array, k_pos: Array, sliding_window, strict: bool = False) -> Array:
+    """[B, Tq, S] boolean: key visible to query (causal by absolute position, optional window: an
+    int, None or a traced int32 scalar, see `layer_window`)."""
     diff = q_pos[:, :, None] - k_pos[:, None, :]
     mask = diff > 0 if strict else diff >= 0
     if sliding_window is not None:
@@ -121,6 +180,12 @@ def heads_major(x: Array) -> Array:
     return jnp.swapaxes(x, 1, 2)
 
 
+def attention_options(cfg: ModelConfig) -> dict:
+    """`attend`'s keyword arguments for the model: query scale and logit soft-cap."""
+    scale = None if cfg.query_pre_attn_scalar is None else float(cfg.query_pre_attn_scalar) ** -0.5
+    return {"scale": scale, "softcap": cfg.attn_logit_softcap}
+
+
 def attend(
     q: Array,
     k: Array,
@@ -128,6 +193,9 @@ def attend(
     mask: Array,
     k_self: Optional[Array] = None,
     v_self: Optional[Array] = None,
+    *,
+    scale: Optional[float] = None,
+    softcap: Optional[float] = None,
 ) -> Array:
     """Grouped-query attention.
 
@@ -135,6 +203,8 @@ def attend(
     `heads_major`); mask: [B, T, S].
     With `k_self`/`v_self` ([B, T, KV, hd]) every query also attends to its own key/value (the
     M2R2 fast stream during training: context from the slow stream's cache, plus its own K/V).
+    `scale` multiplies the queries (default head_dim**-0.5); `softcap` maps the scores to
+    softcap * tanh(scores / softcap) before the mask (Gemma's attention logit soft-capping).
     Softmax in float32. Returns [B, T, H, hd].
     """
     b, t, h, hd = q.shape
@@ -142,13 +212,18 @@ def attend(
     g = h // kv
     # Queries as [B, KV, T*G, hd] (t major, g minor): scores and output are then plain batched
     # matmuls over (batch, kv head) against the cache's [B, KV, S, hd] without transposing it.
-    qg = q.reshape(b, t, kv, g, hd).astype(jnp.float32) * (1.0 / math.sqrt(hd))
+    qg = q.reshape(b, t, kv, g, hd).astype(jnp.float32) * ((1.0 / math.sqrt(hd)) if scale is None else scale)
     qg = jnp.transpose(qg, (0, 2, 1, 3, 4)).reshape(b, kv, t * g, hd)
     scores = jnp.einsum("bkqd,bksd->bkqs", qg, k.astype(jnp.float32))
+    if softcap is not None:
+        scores = jnp.tanh(scores / softcap) * softcap
     scores = jnp.where(jnp.repeat(mask, g, axis=1)[:, None], scores, NEG_INF)
     if k_self is not None:
         ks = jnp.repeat(heads_major(k_self).astype(jnp.float32), g, axis=2)  # [B, KV, T*G, hd]
-        scores = jnp.concatenate([scores, jnp.sum(qg * ks, axis=-1, keepdims=True)], axis=-1)
+        s_self = jnp.sum(qg * ks, axis=-1, keepdims=True)
+        if softcap is not None:
+            s_self = jnp.tanh(s_self / softcap) * softcap
+        scores = jnp.concatenate([scores, s_self], axis=-1)
     probs = jax.nn.softmax(scores, axis=-1)
     if k_self is not None:
         probs, p_self = probs[..., :-1], probs[..., -1:]
@@ -173,20 +248,27 @@ class Attention(nn.Module):
         self.v_proj = Linear(c.n_kv_heads * c.head_dim, c.qkv_bias, pd)
         self.o_proj = Linear(c.d_model, False, pd)
         if c.qk_norm:
-            self.q_norm = RMSNorm(c.rms_eps)
-            self.k_norm = RMSNorm(c.rms_eps)
+            self.q_norm = norm_module(c)
+            self.k_norm = norm_module(c)
 
-    def qkv(self, x: Array, positions: Array, adapters: Adapters = None, lora_scale: float = 1.0):
+    def qkv(self, x: Array, positions: Array, adapters: Adapters = None, lora_scale: float = 1.0, layer=None):
+        """Rotated q [B, T, H, hd], k and v [B, T, KV, hd]. `layer` (static or traced) picks the
+        layer's rotary embedding where layers differ (`layer_inv_freq`)."""
         c = self.cfg
         ad = adapters or {}
         b, t, _ = x.shape
         q = self.q_proj(x, ad.get("q_proj"), lora_scale)
         k = self.k_proj(x, ad.get("k_proj"), lora_scale)
         v = self.v_proj(x, ad.get("v_proj"), lora_scale)
-        if c.qk_norm:
+        if c.qk_norm and not c.qk_norm_per_head:
             q, k = self.q_norm(q), self.k_norm(k)
-        q = apply_rope(q.reshape(b, t, c.n_heads, c.head_dim), positions, c)
-        k = apply_rope(k.reshape(b, t, c.n_kv_heads, c.head_dim), positions, c)
+        q = q.reshape(b, t, c.n_heads, c.head_dim)
+        k = k.reshape(b, t, c.n_kv_heads, c.head_dim)
+        if c.qk_norm_per_head:
+            q, k = self.q_norm(q), self.k_norm(k)
+        inv_freq = layer_inv_freq(c, layer)
+        q = apply_rope(q, positions, c, inv_freq)
+        k = apply_rope(k, positions, c, inv_freq)
         v = v.reshape(b, t, c.n_kv_heads, c.head_dim)
         return q, k, v
 
@@ -198,21 +280,23 @@ class Attention(nn.Module):
         lora = (adapters or {}).get("o_proj") if with_lora else None
         return self.o_proj(flat, lora, lora_scale)
 
-    def __call__(self, x, positions):  # used by init only
-        q, k, v = self.qkv(x, positions)
-        mask = attention_mask(positions, positions, self.cfg.sliding_window)
-        return self.out(attend(q, heads_major(k), heads_major(v), mask))
+    def __call__(self, x, positions, layer=0):  # used by init only
+        q, k, v = self.qkv(x, positions, layer=layer)
+        mask = attention_mask(positions, positions, layer_window(self.cfg, layer))
+        return self.out(attend(q, heads_major(k), heads_major(v), mask, **attention_options(self.cfg)))
 
 
 # --------------------------------------------------------------------------------------------
 # MLPs
 # --------------------------------------------------------------------------------------------
 class MLP(nn.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x)). Returns (hidden before down_proj, output)."""
+    """SwiGLU: down(silu(gate(x)) * up(x)), or GeGLU with `activation="gelu_tanh"` (tanh-approximated
+    GELU, Gemma). Returns (hidden before down_proj, output)."""
 
     d_ff: int
     d_model: int
     param_dtype: Any = jnp.float32
+    activation: str = "silu"
 
     def setup(self):
         self.gate_proj = Linear(self.d_ff, False, self.param_dtype)
@@ -221,7 +305,8 @@ class MLP(nn.Module):
 
     def __call__(self, x: Array, adapters: Adapters = None, lora_scale: float = 1.0, with_lora: bool = True):
         ad = adapters or {}
-        hidden = jax.nn.silu(self.gate_proj(x, ad.get("gate_proj"), lora_scale)) * self.up_proj(
+        act = jax.nn.silu if self.activation == "silu" else partial(jax.nn.gelu, approximate=True)
+        hidden = act(self.gate_proj(x, ad.get("gate_proj"), lora_scale)) * self.up_proj(
             x, ad.get("up_proj"), lora_scale
         )
         out = self.down_proj(hidden, ad.get("down_proj") if with_lora else None, lora_scale)
@@ -296,17 +381,24 @@ class MoE(nn.Module):
 # --------------------------------------------------------------------------------------------
 class DecoderLayer(nn.Module):
     """One pre-norm decoder layer, exposed as its two sub-blocks so that the slow stream
-    (`models.transformer`) and the fast stream (`m2r2.fast_stream`) wire the same weights."""
+    (`models.transformer`) and the fast stream (`m2r2.fast_stream`) wire the same weights.
+
+    Each sub-block adds `post(block(norm(x)))` to the residual x, where `post` is the identity
+    except with `cfg.post_norms` (Gemma: a second RMSNorm after the sub-block, `post_attn` /
+    `post_mlp`)."""
 
     cfg: ModelConfig
 
     def setup(self):
         c = self.cfg
         pd = dtype_of(c.param_dtype)
-        self.attn_norm = RMSNorm(c.rms_eps)
+        self.attn_norm = norm_module(c)
         self.attn = Attention(c)
-        self.mlp_norm = RMSNorm(c.rms_eps)
-        self.mlp = MoE(c) if c.is_moe else MLP(c.d_ff, c.d_model, pd)
+        self.mlp_norm = norm_module(c)
+        self.mlp = MoE(c) if c.is_moe else MLP(c.d_ff, c.d_model, pd, c.mlp_activation)
+        if c.post_norms:
+            self.attn_post_norm = norm_module(c)
+            self.mlp_post_norm = norm_module(c)
 
     def norm_attn(self, x):
         return self.attn_norm(x)
@@ -314,8 +406,18 @@ class DecoderLayer(nn.Module):
     def norm_mlp(self, x):
         return self.mlp_norm(x)
 
-    def qkv(self, xn, positions, adapters: Adapters = None, lora_scale: float = 1.0):
-        return self.attn.qkv(xn, positions, adapters, lora_scale)
+    def post_attn(self, u):
+        """The attention sub-block's residual update from its output (`attn_out`)."""
+        return self.attn_post_norm(u) if self.cfg.post_norms else u
+
+    def post_mlp(self, u):
+        """The MLP sub-block's residual update from its output (`mlp_block`)."""
+        return self.mlp_post_norm(u) if self.cfg.post_norms else u
+
+    def qkv(self, xn, positions, adapters: Adapters = None, lora_scale: float = 1.0, layer=None):
+        """`layer`: this layer's index (static or traced), needed where layers differ in their
+        rotary embedding (`layer_inv_freq`; Gemma 3's local and global layers)."""
+        return self.attn.qkv(xn, positions, adapters, lora_scale, layer)
 
     def attn_out(self, a, adapters: Adapters = None, lora_scale: float = 1.0, with_lora: bool = True):
         return self.attn.out(a, adapters, lora_scale, with_lora)
@@ -327,14 +429,15 @@ class DecoderLayer(nn.Module):
             return res
         return res[0], res[1], None
 
-    def __call__(self, x, positions):
+    def __call__(self, x, positions, layer=0):
         """Full layer without a cache (used for init)."""
         xn = self.attn_norm(x)
-        q, k, v = self.qkv(xn, positions)
-        mask = attention_mask(positions, positions, self.cfg.sliding_window)
-        x = x + self.attn_out(attend(q, heads_major(k), heads_major(v), mask))
+        q, k, v = self.qkv(xn, positions, layer=layer)
+        mask = attention_mask(positions, positions, layer_window(self.cfg, layer))
+        a = attend(q, heads_major(k), heads_major(v), mask, **attention_options(self.cfg))
+        x = x + self.post_attn(self.attn_out(a))
         _, out, _ = self.mlp_block(self.mlp_norm(x))
-        return x + out
+        return x + self.post_mlp(out)
 
 
 class Embedder(nn.Module):

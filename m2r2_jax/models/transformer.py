@@ -18,19 +18,27 @@ forward writes the K/V of token (b, t) at slot positions[b, t] of every layer it
 causally by absolute position, so rolling back is just decoding from an earlier position again
 (stale slots are overwritten before any query can see them). Positions >= S are dropped, which
 lets finished sequences of a batch idle without touching the cache.
+
+Sliding-window layers (all layers with `cfg.sliding_window`, or those `cfg.layer_types` marks, as
+Gemma 3 interleaves them with global layers) keep the same full-length cache; their attention
+mask limits each query to the window (`layers.layer_window`, looked up by the layer index, which is
+traced inside the `lax.scan` over stacked layers). Rolling back works alike for every layer; the
+memory is that of full attention.
 """
 
 from __future__ import annotations
 
+import math
 from functools import partial
 from typing import Any, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from m2r2_jax.models.config import ModelConfig
-from m2r2_jax.models.layers import (DecoderLayer, Embedder, RMSNorm, attend, attention_mask, dtype_of, heads_major,
-                                    rms_norm)
+from m2r2_jax.models.layers import (DecoderLayer, Embedder, attend, attention_mask, attention_options, dtype_of,
+                                    heads_major, layer_window, norm_module, rms_norm)
 from m2r2_jax.sharding.plan import constrain
 
 Params = dict
@@ -74,7 +82,7 @@ def _init_params(cfg: ModelConfig, rng: jax.Array) -> Params:
     params = {
         "embed": embed,
         "layers": layers,
-        "final_norm": RMSNorm(cfg.rms_eps).init(r_head, x)["params"],
+        "final_norm": norm_module(cfg).init(r_head, x)["params"],
     }
     if not cfg.tie_embeddings:
         params["lm_head"] = {"kernel": 0.02 * jax.random.normal(r_head, (cfg.d_model, cfg.vocab_size), pd)}
@@ -155,6 +163,8 @@ def vocab_rows(cfg: ModelConfig, params: Params) -> int:
 def embed(cfg: ModelConfig, params: Params, tokens: jax.Array) -> jax.Array:
     pd = dtype_of(cfg.param_dtype)
     x = Embedder(vocab_rows(cfg, params), cfg.d_model, pd).apply({"params": params["embed"]}, tokens, method="encode")
+    if cfg.scale_embeddings:  # Gemma: times sqrt(d_model), rounded to and multiplied in the embedding dtype
+        x = x * jnp.asarray(np.float32(math.sqrt(cfg.d_model))).astype(x.dtype)
     return constrain(x.astype(dtype_of(cfg.dtype)), HIDDEN_AXES)
 
 
@@ -182,11 +192,15 @@ def head(cfg: ModelConfig, params: Params, h: jax.Array, norm_scale: Optional[ja
     softmax see a distribution over the subset. For drafters: the matmul over V is most of a
     shallow draft step when V is large, and a draft outside the subset is simply never proposed."""
     scale = params["final_norm"]["scale"]
-    if norm_scale is not None:
-        scale = scale * norm_scale
-    hn = RMSNorm(cfg.rms_eps).apply({"params": {"scale": scale}}, h)
+    if norm_scale is not None and cfg.norm_unit_offset:
+        # zero-centred weight w: the norm multiplies by (1 + w), and the exit scale multiplies that
+        hn = _scaled_unit_offset_norm(h, scale, norm_scale, cfg.rms_eps)
+    else:
+        if norm_scale is not None:
+            scale = scale * norm_scale
+        hn = norm_module(cfg).apply({"params": {"scale": scale}}, h)
     if vocab is not None:
-        sub = (hn @ vocab["kernel"].astype(hn.dtype)).astype(jnp.float32)
+        sub = _softcap(cfg, (hn @ vocab["kernel"].astype(hn.dtype)).astype(jnp.float32))
         full = jnp.full(sub.shape[:-1] + (cfg.vocab_size,), MASKED_LOGIT, jnp.float32)
         return constrain(full.at[..., vocab["ids"]].set(sub), LOGITS_AXES)
     if cfg.tie_embeddings:
@@ -195,13 +209,26 @@ def head(cfg: ModelConfig, params: Params, h: jax.Array, norm_scale: Optional[ja
                                                                           method="decode")
     else:
         logits = hn @ params["lm_head"]["kernel"].astype(hn.dtype)
-    logits = constrain(logits.astype(jnp.float32), LOGITS_AXES)
+    logits = constrain(_softcap(cfg, logits.astype(jnp.float32)), LOGITS_AXES)
     if logits.shape[-1] != cfg.vocab_size:
         # A vocabulary padded for a sharding plan: the matmul above ran vocabulary-parallel over the
         # padded width; the padded tokens' logits are dropped here, before any softmax, argmax,
         # sampling or loss, so they can never win and every caller sees [..., vocab_size].
         logits = constrain(logits[..., :cfg.vocab_size], LOGITS_AXES)
     return logits
+
+
+def _scaled_unit_offset_norm(h: jax.Array, w: jax.Array, norm_scale: jax.Array, eps: float) -> jax.Array:
+    """Gemma's RMSNorm with weight (1 + w) * norm_scale (the exit heads' learned scale), in float32."""
+    h32 = h.astype(jnp.float32)
+    y = h32 * jax.lax.rsqrt(jnp.mean(h32 * h32, axis=-1, keepdims=True) + eps)
+    return (y * ((1.0 + w.astype(jnp.float32)) * norm_scale.astype(jnp.float32))).astype(h.dtype)
+
+
+def _softcap(cfg: ModelConfig, logits: jax.Array) -> jax.Array:
+    """Final logit soft-capping (Gemma): cap * tanh(logits / cap); the identity without a cap."""
+    cap = cfg.final_logit_softcap
+    return logits if cap is None else jnp.tanh(logits / cap) * cap
 
 
 def layer_router_logits(cfg: ModelConfig, params: Params, layer, x: jax.Array) -> jax.Array:
@@ -211,7 +238,7 @@ def layer_router_logits(cfg: ModelConfig, params: Params, layer, x: jax.Array) -
     if not cfg.is_moe:
         raise ValueError(f"{cfg.family} has no MoE router (n_experts=0)")
     lp = layer_params(params, layer)
-    xn = rms_norm(x, lp["mlp_norm"]["scale"], cfg.rms_eps)
+    xn = rms_norm(x, lp["mlp_norm"]["scale"], cfg.rms_eps, cfg.norm_unit_offset)
     return (xn @ lp["mlp"]["router"]["kernel"].astype(xn.dtype)).astype(jnp.float32)
 
 
@@ -228,18 +255,24 @@ def layer_forward(
     mod = DecoderLayer(cfg)
     v = {"params": lp}
     xn = mod.apply(v, x, method="norm_attn")
-    q, k, vv = mod.apply(v, xn, positions, method="qkv")
+    q, k, vv = mod.apply(v, xn, positions, layer=layer, method="qkv")
+    window = layer_window(cfg, layer)
     if cache is None:
-        mask = attention_mask(positions, positions, cfg.sliding_window)
-        a = attend(q, heads_major(k), heads_major(vv), mask)
+        mask = attention_mask(positions, positions, window)
+        a = attend(q, heads_major(k), heads_major(vv), mask, **attention_options(cfg))
     else:
         cache = cache_write(cache, layer, positions, k, vv)
         s = cache_length(cache)
         k_pos = jnp.broadcast_to(jnp.arange(s)[None], (x.shape[0], s))
-        mask = attention_mask(positions, k_pos, cfg.sliding_window)
-        a = attend(q, *layer_kv(cache, layer), mask)
-    x = x + mod.apply(v, a, method="attn_out")
+        mask = attention_mask(positions, k_pos, window)
+        a = attend(q, *layer_kv(cache, layer), mask, **attention_options(cfg))
+    u = mod.apply(v, a, method="attn_out")
+    if cfg.post_norms:
+        u = mod.apply(v, u, method="post_attn")
+    x = x + u
     _, out, router_logits = mod.apply(v, mod.apply(v, x, method="norm_mlp"), method="mlp_block")
+    if cfg.post_norms:
+        out = mod.apply(v, out, method="post_mlp")
     return x + out, cache, router_logits
 
 

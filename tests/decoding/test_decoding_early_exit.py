@@ -58,6 +58,46 @@ def test_distance_exit_at_the_first_layer_costs_one_layer_per_token_and_fills_sk
         assert np.all(np.abs(k).sum(axis=(1, 3)) > 0)
 
 
+def test_saturation_exit_runs_the_head_only_where_a_token_leaves_and_emits_the_same_tokens():
+    """The saturation decider needs no head to decide, so the head runs only where a token leaves
+    (`lax.cond`). Reference: the same rule with the head computed after every layer (the
+    confidence path of the runner, its decision replaced by saturation's)."""
+    import dataclasses
+
+    from m2r2_jax.decoding import early_exit
+
+    class SaturationWithEagerHead(early_exit.DistanceExit):
+        def _fires(self, logits, x_new, x_old, tau):
+            return early_exit.DistanceExit._fires(dataclasses.replace(self, decider="saturation"), None, x_new,
+                                                  x_old, tau)
+
+    cfg, _, lazy = engine("distance_exit", "propagate", "saturation")
+    eager = dataclasses.replace(lazy, spec=dataclasses.replace(
+        lazy.spec, drafter=SaturationWithEagerHead(cfg, "confidence", "propagate")))
+    got, got_state = run(lazy, PROMPTS, tau=0.5)
+    want, want_state = run(eager, PROMPTS, tau=0.5)
+    assert sum(r.early_exits for r in got) > 0  # tokens did leave early
+    for a, b in zip(got, want):
+        assert (a.tokens, a.early_exits, a.target_layers) == (b.tokens, b.early_exits, b.target_layers)
+    np.testing.assert_array_equal(np.asarray(got_state.cache["k"]), np.asarray(want_state.cache["k"]))
+
+
+def test_early_exit_on_layers_that_differ_gemma3():
+    """Gemma 3's local and global layers rotate K with their own RoPE: the propagated K/V of skipped
+    layers use each layer's own (every token leaves after layer 0 at tau 0)."""
+    cfg, params = model("gemma3")
+    eng = api.build_engine("distance_exit", cfg, params, max_new_tokens=MAX_NEW)
+    res, state = run(eng, PROMPTS, tau=0.0)
+    for i, (p, r) in enumerate(zip(PROMPTS, res)):
+        assert r.layers_per_token == pytest.approx(1.0) and r.early_exits == len(r.tokens) - 1
+        k = np.asarray(state.cache["k"][:, i, :, len(p):len(p) + len(r.tokens) - 1])
+        assert np.all(np.abs(k).sum(axis=(1, 3)) > 0)
+    m2 = api.build_engine("m2r2_exit", cfg, params, max_new_tokens=MAX_NEW,
+                          m2r2=(MCFG, random_m2r2(cfg, MCFG, 3, adapter_scale=0.2)))
+    ar, _ = run(api.build_engine("ar", cfg, params, max_new_tokens=MAX_NEW), PROMPTS)
+    assert [r.tokens for r in run(m2, PROMPTS, tau=1.0)[0]] == [r.tokens for r in ar]
+
+
 def _complete_positions(state, row, n):
     """Positions < n whose slow computation has finished (not waiting in the deferred window)."""
     s = cache_length(state.cache)

@@ -157,7 +157,7 @@ def _bad_files(tmp, vocab):
     data = good.read_bytes()
     (tmp / "truncated.gguf").write_bytes(data[: len(data) // 2])
     (tmp / "text.gguf").write_text("not a gguf file")
-    write_gguf(tmp / "gemma.gguf", None, arch="gemma3", tokenizer=vocab)
+    write_gguf(tmp / "gemma.gguf", None, arch="gemma2", tokenizer=vocab)
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
     block, size = GGML_QUANT_SIZES[GGMLQuantizationType.Q8_1]  # a type the gguf package cannot dequantise
@@ -170,7 +170,7 @@ def _bad_files(tmp, vocab):
     return {
         "truncated": "not a readable GGUF file",
         "text": "not a readable GGUF file",
-        "gemma": "GGUF architecture 'gemma3' is not supported",
+        "gemma": "GGUF architecture 'gemma2' is not supported",
         "q8_1": "quantisation type Q8_1",
         "spm": "GGUF tokenizer model 'llama' is not supported",
         "pre": "pre-tokenizer 'some-new-pretokenizer' is not supported",

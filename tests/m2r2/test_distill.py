@@ -63,6 +63,29 @@ def test_distill_keeps_base_and_writes_tied_checkpoint(tiny_base):
     assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(mp), jax.tree.leaves(mp2)))
 
 
+def test_fields_added_to_the_model_config_keep_older_checkpoints_valid(tiny_base, tmp_path):
+    """A checkpoint written when ModelConfig had only its first fields (the shipped SmolLM2
+    parameters, say) still loads: such fields are hashed and compared only where they differ from
+    their defaults."""
+    from m2r2_jax.m2r2 import checkpoint as M2C
+    from m2r2_jax.m2r2.config import M2R2Config
+    from m2r2_jax.m2r2.fast_stream import init_m2r2_params
+
+    root, cfg, params, _ = tiny_base
+    first_fields = {k: v for k, v in cfg.to_dict().items() if k in MC.FINGERPRINT_FIELDS}
+    assert MC.fingerprint_config_json(cfg) == json.dumps(first_fields, indent=2, sort_keys=True)
+    mcfg = M2R2Config(branch_layer=1, rate=2, lora_rank=4, router_dim=8, router_hidden=8)
+    fp = MC.params_fingerprint(cfg, params)
+    save_m2r2(tmp_path / "m", mcfg, init_m2r2_params(cfg, mcfg, jax.random.key(0)), cfg, fp)
+    base_file = tmp_path / "m" / M2C.BASE_FILE
+    meta = json.loads(base_file.read_text())
+    base_file.write_text(json.dumps({**meta, "config": first_fields}))  # as an older version wrote it
+    assert load_m2r2(tmp_path / "m", cfg, fp)[0] == mcfg
+    base_file.write_text(json.dumps({**meta, "config": {**first_fields, "n_layers": 99}}))
+    with pytest.raises(CheckpointError, match="different base architecture"):
+        load_m2r2(tmp_path / "m", cfg, fp)
+
+
 def test_m2r2_checkpoint_refuses_another_base(tiny_base, tmp_path):
     root, cfg, params, _ = tiny_base
     from m2r2_jax.m2r2.config import M2R2Config

@@ -87,9 +87,10 @@ def test_fast_step_loop_equals_scan():
     traj = F.init_traj(base, mcfg, 1, 1)
     step = jax.jit(lambda i, g, c, traj: F.fast_step(base, mcfg, bp, mp, i, g, pos, c, traj))
     for i in range(mcfg.steps(base)):
-        g, c, traj, el = step(jnp.int32(i), g, c, traj)
+        g, c, traj, el, logits = step(jnp.int32(i), g, c, traj)
         np.testing.assert_allclose(g, ref.states[i], atol=1e-5)
         np.testing.assert_allclose(el, ref.exit_logits[i], atol=1e-4)
+        np.testing.assert_allclose(logits, F.exit_head_logits(base, mcfg, bp, mp, i, g), atol=1e-5)
     np.testing.assert_array_equal(c["k"], ref.cache["k"])
 
 

@@ -82,7 +82,7 @@ def test_a_mesh_axis_is_used_once_per_spec():
     assert tuple(rules.spec(("batch", "embed"))) == (("data", "fsdp"), None)
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "phi3", "mixtral", "qwen2_moe", "olmoe"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "phi3", "mixtral", "qwen2_moe", "olmoe", "gemma3"])
 def test_every_parameter_of_every_family_has_logical_axes(family):
     cfg = tiny_config(family, vocab_size=64)
     base = jax.eval_shape(lambda: init_params(cfg, jax.random.key(0)))

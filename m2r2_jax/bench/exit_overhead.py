@@ -1,0 +1,75 @@
+"""What early exit costs where no token exits: ar, m2r2_exit and distance_exit (both deciders) at
+tau 1.0, side by side, same prompts, greedy batch 1.
+
+    python -m m2r2_jax.bench.exit_overhead --checkpoint ckpt/smollm2 \
+        --m2r2 m2r2_jax/pretrained/smollm2-135m-instruct [--n_prompts 2 --max_new_tokens 64 --repeats 3]
+
+At tau 1.0 a token leaves only where the decider is certain (it may happen through rounding; the
+report counts exits), so each method's speed against ar is the price of its machinery: the layer
+loop, the deciders' inputs, the fast steps. Prints a JSON report (also to --out).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(prog="python -m m2r2_jax.bench.exit_overhead", description=__doc__.split("\n")[0])
+    p.add_argument("--checkpoint", required=True)
+    p.add_argument("--m2r2", required=True)
+    p.add_argument("--n_prompts", type=int, default=2)
+    p.add_argument("--max_new_tokens", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--out", default=None)
+    a = p.parse_args(sys.argv[1:] if argv is None else argv)
+    for flag, path in (("--checkpoint", a.checkpoint), ("--m2r2", a.m2r2)):
+        if not Path(path).is_dir():
+            p.error(f"{flag} {path}: no such directory")
+    if min(a.n_prompts, a.max_new_tokens, a.repeats) < 1:
+        p.error("--n_prompts, --max_new_tokens and --repeats must be positive")
+
+    import numpy as np
+
+    from m2r2_jax.bench.prompts import load_prompt_set
+    from m2r2_jax.bench.speculative import per_answer_timing_side_by_side
+    from m2r2_jax.data.chat_template import encode_prompt, resolve_chat_template
+    from m2r2_jax.data.tokenizer import load_tokenizer
+    from m2r2_jax.decoding import api
+    from m2r2_jax.m2r2.loading import load_base_and_m2r2
+    from m2r2_jax.models.checkpoint import tokenizer_path
+
+    cfg, params, mcfg, m2r2_params, _ = load_base_and_m2r2(a.checkpoint, a.m2r2)
+    tok = load_tokenizer(tokenizer_path(a.checkpoint))
+    template = resolve_chat_template(tok, "auto")
+    texts = [t for t in load_prompt_set("mt_bench") if isinstance(t, str)][: a.n_prompts]
+    prompts = [encode_prompt(tok, t, template) for t in texts]
+    common = dict(max_new_tokens=a.max_new_tokens, eos_ids=list(tok.eos_ids))
+    runners = {
+        "ar": (api.build_engine("ar", cfg, params, layer_loop="auto", **common), 0.5),
+        "m2r2_exit": (api.build_engine("m2r2_exit", cfg, params, m2r2=(mcfg, m2r2_params), **common), 1.0),
+        "distance_exit_confidence": (api.build_engine("distance_exit", cfg, params, decider="confidence", **common),
+                                     1.0),
+        "distance_exit_saturation": (api.build_engine("distance_exit", cfg, params, decider="saturation", **common),
+                                     1.0),
+    }
+    width = api.bucket(max(len(x) for x in prompts), api.MIN_PROMPT_WIDTH)
+    timed = per_answer_timing_side_by_side(runners, prompts, width, a.repeats)
+    ar_results, ar_tps = timed["ar"][0], float(np.mean(timed["ar"][1]))
+    report = {"max_new_tokens": a.max_new_tokens, "repeats": a.repeats, "n_prompts": len(prompts), "methods": {}}
+    for name, (results, tps, _) in timed.items():
+        report["methods"][name] = {
+            "tokens_per_s": float(np.mean(tps)), "speedup_vs_ar": float(np.mean(tps)) / ar_tps,
+            "early_exits": [r.early_exits for r in results],
+            "same_tokens_as_ar": all(r.tokens == q.tokens for r, q in zip(results, ar_results)),
+            "layers_per_token": float(np.mean([r.layers_per_token for r in results]))}
+    from m2r2_jax.json_files import emit_json_report
+
+    emit_json_report(report, a.out)
+    return report
+
+
+if __name__ == "__main__":
+    main()
