@@ -304,13 +304,9 @@ def _set_dotted(cfg, key: str, value) -> None:
 def _prompts(tok, cfg, budget: PretrainedBudget, gamma: int) -> tuple:
     """The first n MT-Bench prompts as token lists, each rendered as a user turn with the model's
     chat template (raw text when it has none), cut to leave room for the answer and one draft."""
-    from m2r2_jax.bench.prompts import load_prompt_set
-    from m2r2_jax.data.chat_template import encode_prompt, resolve_chat_template
+    from m2r2_jax.bench.prompts import chat_prompt_ids
 
-    template = resolve_chat_template(tok, "auto")
-    texts = [p for p in load_prompt_set(PROMPT_SET) if isinstance(p, str)][: budget.n_prompts]
-    limit = cfg.max_seq_len - budget.max_new_tokens - gamma - 1
-    return [encode_prompt(tok, t, template)[-limit:] for t in texts], template
+    return chat_prompt_ids(tok, PROMPT_SET, budget.n_prompts, limit=cfg.max_seq_len - budget.max_new_tokens - gamma - 1)
 
 
 def answer_windows(prompts, answers, seq_len: int) -> list:

@@ -33,9 +33,8 @@ def main(argv=None) -> dict:
 
     import numpy as np
 
-    from m2r2_jax.bench.prompts import load_prompt_set
+    from m2r2_jax.bench.prompts import chat_prompt_ids
     from m2r2_jax.bench.speculative import per_answer_timing_side_by_side
-    from m2r2_jax.data.chat_template import encode_prompt, resolve_chat_template
     from m2r2_jax.data.tokenizer import load_tokenizer
     from m2r2_jax.decoding import api
     from m2r2_jax.m2r2.loading import load_base_and_m2r2
@@ -43,9 +42,7 @@ def main(argv=None) -> dict:
 
     cfg, params, mcfg, m2r2_params, _ = load_base_and_m2r2(a.checkpoint, a.m2r2)
     tok = load_tokenizer(tokenizer_path(a.checkpoint))
-    template = resolve_chat_template(tok, "auto")
-    texts = [t for t in load_prompt_set("mt_bench") if isinstance(t, str)][: a.n_prompts]
-    prompts = [encode_prompt(tok, t, template) for t in texts]
+    prompts, _ = chat_prompt_ids(tok, "mt_bench", a.n_prompts)
     common = dict(max_new_tokens=a.max_new_tokens, eos_ids=list(tok.eos_ids))
     runners = {
         "ar": (api.build_engine("ar", cfg, params, layer_loop="auto", **common), 0.5),

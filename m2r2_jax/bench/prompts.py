@@ -49,6 +49,17 @@ def load_prompt_set(name_or_file: str) -> list:
     return out
 
 
+def chat_prompt_ids(tok, name_or_file: str, n: int, limit=None) -> tuple:
+    """(token ids of the set's first n text prompts, each rendered as a user turn with the model's
+    chat template (raw text when it has none) and cut to its last `limit` tokens; the template)."""
+    from m2r2_jax.data.chat_template import encode_prompt, resolve_chat_template
+
+    template = resolve_chat_template(tok, "auto")
+    texts = [t for t in load_prompt_set(name_or_file) if isinstance(t, str)][:n]
+    ids = [encode_prompt(tok, t, template) for t in texts]
+    return ([x[-limit:] for x in ids] if limit else ids), template
+
+
 def prompt_categories(name_or_file: str):
     """The category of every prompt of a shipped set that has them (Spec-Bench: mt_bench's eight
     and translation, summarization, qa, math_reasoning, rag), in `load_prompt_set`'s order; None

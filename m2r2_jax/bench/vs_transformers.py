@@ -58,9 +58,9 @@ def main(argv=None) -> dict:
     import torch
     import transformers
 
-    from m2r2_jax.bench.prompts import load_prompt_set
+    from m2r2_jax.bench.prompts import chat_prompt_ids
     from m2r2_jax.bench.roofline import ar_roofline
-    from m2r2_jax.data.chat_template import encode_prompt, resolve_chat_template
+    from m2r2_jax.data.chat_template import encode_prompt
     from m2r2_jax.data.tokenizer import load_tokenizer
     from m2r2_jax.decoding import api
     from m2r2_jax.models.checkpoint import load_model, tokenizer_path
@@ -72,9 +72,7 @@ def main(argv=None) -> dict:
 
     cfg, params = load_model(a.checkpoint)
     tok = load_tokenizer(tokenizer_path(a.checkpoint))
-    template = resolve_chat_template(tok, "auto")
-    texts = [t for t in load_prompt_set("mt_bench") if isinstance(t, str)][: a.n_prompts]
-    prompts = [encode_prompt(tok, t, template) for t in texts]
+    prompts, template = chat_prompt_ids(tok, "mt_bench", a.n_prompts)
     eos = list(tok.eos_ids)
     gguf = Path(a.gguf)
     hf = transformers.AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name,

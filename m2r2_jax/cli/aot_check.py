@@ -22,6 +22,8 @@ lower for --platform.
 
 from __future__ import annotations
 
+import math
+
 from absl import flags
 from ml_collections import config_flags
 
@@ -50,7 +52,6 @@ FLAGS = flags.FLAGS
 
 
 def main(argv):
-    import json
     import sys
 
     from m2r2_jax.cli.common import loaded_config
@@ -84,12 +85,9 @@ def main(argv):
                                           prompt_len=FLAGS.prompt_len, max_new_tokens=FLAGS.max_new_tokens,
                                           m2r2_cfg=mcfg, device_memory_bytes=memory, headroom=FLAGS.headroom,
                                           platform=FLAGS.platform))
-    text = json.dumps({"checks": reports}, indent=2)
-    if FLAGS.out:
-        from m2r2_jax.atomic import write_text_atomic
+    from m2r2_jax.json_files import emit_json_report
 
-        write_text_atomic(FLAGS.out, text + "\n")
-    print(text)
+    emit_json_report({"checks": reports}, FLAGS.out)
     failed = False
     if any(r.get("fits") is False for r in reports):
         print("m2r2: does not fit: " + "; ".join(f"{r['program']} needs {r['per_device_gib']} GiB per device"
@@ -110,10 +108,7 @@ def _mesh_size(spec) -> int:
     if not spec or -1 in sizes.values():
         raise ConfigError("--platform needs a --mesh with every size given (e.g. fsdp=8) or --devices N: "
                           "it compiles on that many fake CPU devices")
-    n = 1
-    for size in sizes.values():
-        n *= size
-    return n
+    return math.prod(sizes.values())
 
 
 def _use_fake_cpu_devices(n: int) -> None:

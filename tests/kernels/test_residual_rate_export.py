@@ -4,6 +4,7 @@ decides which kernel a program holds. Mosaic's lowering rejects block shapes a T
 these exports catch what interpret mode cannot; where a kernel cannot take a shape on a platform,
 `auto` falls back there (warning when that platform is lowered) and `pallas` refuses."""
 
+import math
 import re
 import warnings
 
@@ -69,9 +70,7 @@ def test_pallas_exports_the_platform_kernel_forward_and_gradient(platform, lead,
 @pytest.mark.parametrize("lead,d,rank,dtype,norm", SHAPES)
 def test_auto_exports_the_kernel_where_it_chose_it(lead, d, rank, dtype, norm, recwarn):
     args = _abstract_inputs(lead, d, rank, dtype, norm)
-    n_rows = 1
-    for n in lead:
-        n_rows *= n
+    n_rows = math.prod(lead)
     for platform, backend in op_module.KERNEL_PLATFORMS.items():
         chosen = op_module.choose("auto", backend, n_rows, d, rank, dtype, norm)
         assert chosen.reason is None  # every tested shape is one the kernels can take
