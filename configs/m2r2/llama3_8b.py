@@ -2,7 +2,7 @@
 
     m2r2 convert --hf Meta-Llama-3-8B --out ckpt/llama3_8b
     m2r2 distill --config=configs/m2r2/llama3_8b.py --config.base_checkpoint=ckpt/llama3_8b \
-        --config.data.source=jsonl --config.data.paths='("data/*.jsonl",)' --workdir runs/llama3_8b_m2r2
+        --config.data.source=jsonl --config.data.paths='("data/*answers.jsonl",)' --workdir runs/llama3_8b_m2r2
 """
 
 from m2r2_jax.m2r2.distill import distill_config

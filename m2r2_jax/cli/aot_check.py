@@ -68,9 +68,11 @@ def main(argv):
     model_cfg = validate_config(loaded_config(FLAGS, "model"))
     mcfg = None
     if FLAGS["m2r2"].value is not None:
-        from m2r2_jax.m2r2.distill import m2r2_config_from
+        from m2r2_jax.m2r2.distill import validate_distill
 
-        mcfg = m2r2_config_from(loaded_config(FLAGS, "m2r2").m2r2).validate(model_cfg)
+        # the whole distillation config, as `m2r2 distill` checks it, though only its m2r2 section
+        # shapes the programs: a bad value in it fails here too
+        mcfg, _ = validate_distill(loaded_config(FLAGS, "m2r2"), model_cfg)
     reports = []
     if FLAGS.program in ("train", "both"):
         preset = FLAGS.sharding

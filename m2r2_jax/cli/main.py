@@ -24,6 +24,7 @@ VERBS = {
     "bench": ("bench", "speculative-decoding benchmark on prompt sets"),
     "draft-vocab": ("draft_vocab", "the most frequent tokens of a corpus, for drafting from a reduced vocabulary"),
     "moe-bench": ("moe_bench", "MoE ahead-of-time expert loading benchmark"),
+    "moefy": ("moefy", "split a dense SwiGLU model into an MoE of the same weights (neuron groups + routers)"),
     "aot-check": ("aot_check", "compile sharded programs ahead of time: do they fit the devices?"),
     "demo": ("demo", "the main job: train, distill, measure, report (make demo)"),
 }

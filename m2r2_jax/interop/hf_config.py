@@ -398,6 +398,8 @@ def check_exportable(cfg: ModelConfig) -> None:
                           "such option")
 
     gemma = f == "gemma3"
+    if cfg.router_weights != "softmax":  # a moefied model sums its experts unweighted
+        no(f"router_weights={cfg.router_weights!r} (transformers weighs every expert by its router probability)")
     if cfg.qkv_bias and f not in ("qwen2", "qwen2_moe"):
         no("qkv_bias")
     if not cfg.qkv_bias and f == "qwen2":

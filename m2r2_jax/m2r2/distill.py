@@ -41,7 +41,7 @@ from m2r2_jax.m2r2 import losses as L
 from m2r2_jax.m2r2.checkpoint import save_m2r2
 from m2r2_jax.m2r2.config import M2R2Config
 from m2r2_jax.m2r2.fast_stream import init_m2r2_params
-from m2r2_jax.models.checkpoint import load_model, params_fingerprint, tokenizer_path
+from m2r2_jax.models.checkpoint import load_config, load_model, params_fingerprint, tokenizer_path
 from m2r2_jax.training.config import data_section, train_section, validate_data, validate_train
 from m2r2_jax.training.loop import train
 
@@ -202,16 +202,19 @@ def distill(cfg, workdir, plan=None) -> dict:
         raise ConfigError("base_checkpoint='' is invalid: expected the base model directory (--config.base_checkpoint=DIR)")
     if not Path(cfg.base_checkpoint).is_dir():
         raise CheckpointError(f"base checkpoint {cfg.base_checkpoint} does not exist")
-    base_cfg, base_params = load_model(cfg.base_checkpoint)
+    # The whole config is checked against the base's config file before its weights are read (an
+    # 8B base takes minutes to load): a bad value fails at once.
+    base_cfg = load_config(cfg.base_checkpoint)
     mcfg, lcfg = validate_distill(cfg, base_cfg)
-    fingerprint = params_fingerprint(base_cfg, base_params)
+    seq_len = cfg.data.seq_len
+    if seq_len > base_cfg.max_seq_len:
+        raise ConfigError(f"data.seq_len={seq_len} is invalid: the base model's max_seq_len is {base_cfg.max_seq_len}")
     tok_file = cfg.data.tokenizer or tokenizer_path(cfg.base_checkpoint)
     if not tok_file:
         raise CheckpointError(f"{cfg.base_checkpoint} has no tokenizer; set --config.data.tokenizer=PATH")
     tok = load_tokenizer(tok_file)
-    seq_len = cfg.data.seq_len
-    if seq_len > base_cfg.max_seq_len:
-        raise ConfigError(f"data.seq_len={seq_len} is invalid: the base model's max_seq_len is {base_cfg.max_seq_len}")
+    base_cfg, base_params = load_model(cfg.base_checkpoint, base_cfg)
+    fingerprint = params_fingerprint(base_cfg, base_params)
     workdir.mkdir(parents=True, exist_ok=True)
     (workdir / "config.json").write_text(cfg.to_json())
 

@@ -20,7 +20,7 @@ import hashlib
 import json
 import shutil
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Mapping, Optional, Sequence
 
 import jax
 import numpy as np
@@ -67,10 +67,13 @@ def params_fingerprint(cfg: ModelConfig, params) -> str:
 
 
 def save_model(directory, cfg: ModelConfig, params, tokenizer_file: Optional[str] = None, overwrite: bool = False,
-               tokenizer_extras: Sequence = ()) -> Path:
+               tokenizer_extras: Sequence = (), extra_files: Optional[Mapping[str, str]] = None) -> Path:
     """Write a model directory. `tokenizer_extras`: files copied beside the tokenizer file
-    (tokenizer_config.json, generation_config.json, chat_template.jinja)."""
+    (tokenizer_config.json, generation_config.json, chat_template.jinja). `extra_files`: name ->
+    text written at the top of the directory with the rest (a record of how the model was made)."""
     with atomic_directory(directory, overwrite) as tmp:
+        for name, text in (extra_files or {}).items():
+            (tmp / name).write_text(text)
         save_pytree(tmp / PARAMS_DIR, params)
         (tmp / CONFIG_FILE).write_text(cfg.to_json())
         (tmp / FINGERPRINT_FILE).write_text(json.dumps({"fingerprint": params_fingerprint(cfg, params)}))

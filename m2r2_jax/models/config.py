@@ -23,6 +23,10 @@ DTYPES = ("float32", "bfloat16", "float16")
 # Attention kinds of `ModelConfig.layer_types` (the names transformers uses)
 LAYER_TYPES = ("full_attention", "sliding_attention")
 MLP_ACTIVATIONS = ("silu", "gelu_tanh")  # SwiGLU; GeGLU with tanh-approximated GELU (gelu_pytorch_tanh)
+# How an MoE layer weighs its selected experts' outputs: "softmax" (the top-k router probabilities,
+# renormalised when norm_topk_prob: every trained MoE family) or "none" (a plain sum, weight 1 each:
+# a dense MLP split into experts, `moe_offload.moefy`, whose experts partition the dense output).
+ROUTER_WEIGHTS = ("softmax", "none")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,6 +79,7 @@ class ModelConfig:
     moe_d_ff: int = 0
     norm_topk_prob: bool = True
     shared_expert_d_ff: int = 0  # Qwen2-MoE shared expert (with a sigmoid gate)
+    router_weights: str = "softmax"  # see ROUTER_WEIGHTS
     # numerics
     dtype: str = "float32"  # compute dtype of activations and the KV cache
     param_dtype: str = "float32"
@@ -183,6 +188,10 @@ class ModelConfig:
             fail("n_experts", self.n_experts, f"family {self.family} is MoE: expected n_experts > 0")
         if self.shared_expert_d_ff < 0:
             fail("shared_expert_d_ff", self.shared_expert_d_ff, "expected >= 0")
+        if self.router_weights not in ROUTER_WEIGHTS:
+            fail("router_weights", self.router_weights, f"expected one of {', '.join(ROUTER_WEIGHTS)}")
+        if self.router_weights != "softmax" and not self.is_moe:
+            fail("router_weights", self.router_weights, "only an MoE model weighs experts (n_experts > 0)")
         for name in ("dtype", "param_dtype"):
             if getattr(self, name) not in DTYPES:
                 fail(name, getattr(self, name), f"expected one of {', '.join(DTYPES)}")

@@ -314,9 +314,14 @@ class MLP(nn.Module):
 
 
 def route(cfg: ModelConfig, router_logits: Array) -> tuple[Array, Array]:
-    """Top-k routing with the family's normalisation. Returns (weights [.., k], indices [.., k])."""
+    """Top-k routing with the family's normalisation. Returns (weights [.., k], indices [.., k]).
+    With `cfg.router_weights == "none"` every selected expert weighs 1 (a plain sum): every MoE path
+    (the layer, the offload engine, the fast stream's experts) combines experts with these weights,
+    so the switch lives here alone."""
     probs = jax.nn.softmax(router_logits.astype(jnp.float32), axis=-1)
     weights, idx = jax.lax.top_k(probs, cfg.n_experts_per_tok)
+    if cfg.router_weights == "none":
+        return jnp.ones_like(weights), idx
     if cfg.norm_topk_prob:
         weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
     return weights, idx

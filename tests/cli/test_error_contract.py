@@ -1,7 +1,8 @@
 """The error contract of every `m2r2` verb, as a table: a bad input (missing or unknown flag, a
 checkpoint that is absent, a file, empty or corrupt, a bad config value, a bad prompts or data
 file, an output path that cannot be created, positional junk) gives exit status 2, exactly one
-stderr line `m2r2: error: ...` naming the problem, no traceback, and no output left behind.
+stderr line `m2r2: error: ...` naming the problem, no traceback, and no output left behind. A bad
+config value is caught before any model weights or data are read.
 
 The cases of one verb run in one process (`verb_worker.py`: the verb's `main` under the same
 `run_verb` as `m2r2 VERB`, with file descriptor 2 captured per case), so JAX starts and the tiny
@@ -77,6 +78,9 @@ CASES = [
     ("pretrain-tokenizer-missing", "pretrain --config={pretrain_cfg} --workdir={out} --config.data.tokenizer={missing}",
      ["does_not_exist"], None),
     ("pretrain-workdir-in-file", "pretrain --config={pretrain_cfg} --workdir={file}/w", ["a_file"], None),
+    # a bad config value fails before any data is read (here: a file that does not exist)
+    ("pretrain-validated-before-data", "pretrain --config={pretrain_cfg} --workdir={out} --config.data.source=jsonl "
+     "--config.data.paths=('{missing}.jsonl',) --config.train.learning_rate=-1", ["train.learning_rate"], None),
     # sample
     ("sample-no-checkpoint", "sample --prompt x", ["--checkpoint"], None),
     ("sample-ckpt-missing", "sample --checkpoint {missing} --prompt x", ["not a model checkpoint"], None),
@@ -103,6 +107,10 @@ CASES = [
      ["branch_layer"], None),
     ("distill-rank-zero", "distill --config={distill_cfg} --workdir={out} --config.m2r2.lora_rank=0", ["lora_rank"], None),
     ("distill-rate-zero", "distill --config={distill_cfg} --workdir={out} --config.m2r2.rate=0", ["rate"], None),
+    # the whole config is validated before the base's weights (corrupt here) or any data are read
+    ("distill-validated-before-weights", "distill --config={distill_cfg} --workdir={out} "
+     "--config.base_checkpoint={corrupt_params} --config.data.source=jsonl --config.data.paths=('{missing}.jsonl',) "
+     "--config.train.steps=-1", ["train.steps"], None),
     # align
     ("align-no-out", "align --checkpoint {base}", ["--out"], None),
     ("align-m2r2-base-garbage", "align --checkpoint {base} --m2r2 {m2r2_garbage_base} --out {out} --seq_len 16", ["base.json"],
@@ -221,6 +229,13 @@ CASES = [
      "--m2r2 {m2r2_garbage_base}", ["base.json"], None),
     ("moe-bench-text-no-tokenizer", "moe-bench --checkpoint {moe} --prompts {prompts_text} --out {out}",
      ["tokenizer"], None),
+    # moefy (every case fails before a weight is read)
+    ("moefy-no-out", "moefy --checkpoint {base}", ["--out"], None),
+    ("moefy-moe-base", "moefy --checkpoint {moe} --out {out}", ["already an MoE"], None),
+    ("moefy-k-above-e", "moefy --checkpoint {base} --out {out} --experts 4 --top_k 5", ["--top_k=5"], None),
+    ("moefy-e-not-dividing", "moefy --checkpoint {base} --out {out} --experts 7", ["--experts=7"], None),
+    ("moefy-data-missing", "moefy --checkpoint {base} --out {out} --seq_len 16 --data {missing}.jsonl",
+     ["does_not_exist.jsonl"], None),
     # demo (every case fails before any training starts)
     ("demo-budget", "demo --budget huge --out {out}", ["--budget"], None),
     ("demo-out-in-file", "demo --out {file}/demo --budget tiny", ["a_file"], None),
@@ -245,6 +260,9 @@ CASES = [
      "--mesh data=-1 --out {out}.json", ["--platform needs a --mesh", "--devices"], None),
     ("aot-check-platform-unknown", "aot-check --model={repo}/configs/models/tiny_dense.py --platform ipu "
      "--out {out}.json", ["--platform", "ipu"], None),
+    ("aot-check-m2r2-config-validated", "aot-check --model={repo}/configs/models/tiny_dense.py "
+     "--m2r2={repo}/configs/m2r2/tiny_dense.py --m2r2.loss.temperature=-1 --out {out}.json",
+     ["loss.temperature"], None),
     ("aot-check-devices-alone", "aot-check --model={repo}/configs/models/tiny_dense.py --devices 4 "
      "--out {out}.json", ["--devices is only for --platform"], None),
     # the dispatcher
@@ -267,9 +285,9 @@ def _argv(fx, case_id, template):
     return template.format(**values).split()
 
 
-# Verbs with ml_collections config flags (`--config.a.b=...` overrides) register their override
-# flags while parsing, once per process: their cases each get a real process.
-IN_PROCESS = set(VERBS) - {"pretrain", "distill", "aot-check"}
+# Every verb's cases run in its worker (the worker drops the `--config.a.b` override flags that
+# ml_collections registers while parsing a case before the next case registers its own).
+IN_PROCESS = set(VERBS)
 
 
 @pytest.fixture(scope="module")

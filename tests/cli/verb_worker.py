@@ -8,7 +8,7 @@ of the tiny models are paid once per verb instead of once per case).
 real flags (seeded, see `cases`). Each runs through `m2r2_jax.cli.common.run_verb` exactly as
 `m2r2 VERB ARGS` would, with file descriptor 2 redirected to a file (so everything the case
 writes to stderr is seen: Python, absl logging, C++ libraries) and SystemExit caught. A result
-records the argv, the exit status, the stderr text and, when an exception other than SystemExit
+records the argv, the exit status, the stdout and stderr text and, when an exception other than SystemExit
 escaped run_verb (a user would see a traceback), its traceback."""
 
 from __future__ import annotations
@@ -143,16 +143,21 @@ def run_case(run_verb, module, verb, argv):
     from absl import app, flags
 
     flags.FLAGS.unparse_flags()
+    # ml_collections registers a `--config.a.b` flag for each override it parses, and a name cannot
+    # be registered twice: drop the last case's (a dotted name below a registered flag's)
+    for name in [n for n in flags.FLAGS if "." in n and n.split(".")[0] in flags.FLAGS]:
+        delattr(flags.FLAGS, name)
+    sys.argv = [f"m2r2 {verb}"] + list(argv)  # where ml_collections reads the overrides from
     # absl refuses a second app.run in one process; reset its once-only guards between cases
     app._register_and_parse_flags_with_usage.done = False
     app._run_init.done = False
-    tb, code = None, None
+    tb, code, out = None, None, io.StringIO()
     sys.stderr.flush()
     saved = os.dup(2)
     with tempfile.TemporaryFile() as capture:
         os.dup2(capture.fileno(), 2)
         try:
-            with contextlib.redirect_stdout(io.StringIO()):
+            with contextlib.redirect_stdout(out):
                 run_verb(module.main, [f"m2r2 {verb}"] + argv)
             code = 0
         except SystemExit as e:
@@ -166,7 +171,7 @@ def run_case(run_verb, module, verb, argv):
             os.close(saved)
         capture.seek(0)
         err = capture.read().decode("utf-8", "replace")
-    return {"argv": argv, "code": code, "stderr": err, "traceback": tb}
+    return {"argv": argv, "code": code, "stderr": err, "traceback": tb, "stdout": out.getvalue()}
 
 
 def main():

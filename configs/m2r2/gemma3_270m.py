@@ -1,0 +1,35 @@
+"""M2R2 for Gemma 3 270M (pretrained; 18 layers, d_model 640, vocabulary 262,144) on a CPU.
+
+    m2r2 fetch gemma3-270m --out models/          # the Gemma Terms of Use apply to the model
+    m2r2 convert --gguf models/gemma-3-270m-q4_k_m.gguf --out ckpt/gemma3
+    m2r2 distill-data --checkpoint ckpt/gemma3 --out data/gemma3_answers.jsonl --max_prompts 120 \
+        --max_new_tokens 128
+    m2r2 distill --config=configs/m2r2/gemma3_270m.py --config.base_checkpoint=ckpt/gemma3 \
+        --config.data.paths="('data/gemma3_answers.jsonl',)" --workdir runs/gemma3_m2r2
+
+Shape: branch after 3 layers, rate 3 -> 5 fast steps visiting layers 6, 9, 12, 15 and 18 (1-based).
+Gemma 3 alternates five sliding-window (512-token) layers with one global layer (6, 12, 18); this
+stride puts every global layer on the fast stream's path, so each draft step that reads the shared
+KV cache past the window reads it through a global layer, as the slow stream does, and the two
+local steps in between cost what a local layer costs. LoRA rank 32 on every projection, as for
+SmolLM2 (where rank 8 and 4 steps learned too little).
+
+The vocabulary is most of the model (168M of 268M weights are the tied embedding and head): the
+draft's head has to be a draft vocabulary (`m2r2 draft-vocab`), and the loss scores a quarter of
+the positions (loss.kl_fraction). The teacher cache holds hidden states, not logits, so its size
+does not grow with the vocabulary.
+"""
+
+from m2r2_jax.m2r2.distill import distill_config
+
+
+def get_config():
+    cfg = distill_config()
+    cfg.m2r2.update(dict(branch_layer=3, rate=3, schedule="strided", lora_rank=32, lora_alpha=32.0, router_dim=32,
+                         router_hidden=32))
+    cfg.loss.update(dict(kl_fraction=0.25, step_weights="increasing"))
+    cfg.teacher_cache = True
+    cfg.train.update(dict(steps=300, batch_size=8, learning_rate=2e-3, warmup_steps=20, checkpoint_every=50))
+    cfg.router_train.update(dict(steps=30, batch_size=8, learning_rate=3e-3, warmup_steps=3, checkpoint_every=30))
+    cfg.data.update(dict(source="jsonl", paths=("data/gemma3_answers.jsonl",), text_field="text", seq_len=128))
+    return cfg
