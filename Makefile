@@ -24,7 +24,7 @@ demo: $(STAMP)
 
 # A crashed worker ends the run (xdist's loadfile scheduler can wait forever after replacing one).
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -n 2 --dist loadfile --max-worker-restart=0 --durations=12 tests
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile --max-worker-restart=0 --durations=25 tests
 
 clean:
 	rm -rf $(VENV) runs

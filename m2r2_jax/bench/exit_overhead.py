@@ -52,7 +52,7 @@ def main(argv=None) -> dict:
         "distance_exit_saturation": (api.build_engine("distance_exit", cfg, params, decider="saturation", **common),
                                      1.0),
     }
-    width = api.bucket(max(len(x) for x in prompts), api.MIN_PROMPT_WIDTH)
+    width = max(len(x) for x in prompts)
     timed = per_answer_timing_side_by_side(runners, prompts, width, a.repeats)
     ar_results, ar_tps = timed["ar"][0], float(np.mean(timed["ar"][1]))
     report = {"max_new_tokens": a.max_new_tokens, "repeats": a.repeats, "n_prompts": len(prompts), "methods": {}}

@@ -6,8 +6,9 @@
 `--checkpoint` is `m2r2 convert --gguf` of the same file. Batch 1, MT-Bench prompts with the chat
 template, each stopping at the model's end-of-turn tokens. After one warm-up call of each side on a
 short prompt, every prompt is run:
-  first call   the first time this process sees the prompt (ours compiles when its width falls in a
-               new bucket; transformers has nothing to compile);
+  first call   the first time this process sees the prompt (ours compiles only when prompt + new
+               tokens fall in a new cache-length bucket, `api.prompt_width`; transformers has
+               nothing to compile);
   steady       the median of `--repeats` further calls.
 Both sides run in this process, one after the other per prompt, with torch on as many threads as
 JAX's CPU client uses (the cores this process may run on). Ours runs without the persistent

@@ -125,10 +125,8 @@ def _prefill(spec: EngineSpec, params, prompts, lengths, keys, valid) -> GenStat
     cache_len = spec.cache_len(width)
     dstate, extra = (), ()
     if spec.method in SPEC_METHODS:
-        from m2r2_jax.decoding.loop import prompt_positions
-
         dstate = spec.drafter.init_state(b, cache_len)
-        dstate = spec.drafter.prefill(params, dstate, prompts, prompt_positions(lengths, width, cache_len))
+        dstate = spec.drafter.prefill(params, dstate, prompts, lengths)
     elif spec.method in EXIT_METHODS:
         extra = spec.drafter.init_extra(b, cache_len)
     return prefill(spec.cfg, params["base"], prompts, lengths, keys, valid, spec.sampling, max_new=spec.max_new,
@@ -422,9 +420,6 @@ def check_prompts(cfg: ModelConfig, prompts: Sequence[Sequence[int]], max_new_to
     return out
 
 
-MIN_PROMPT_WIDTH = 16
-
-
 def bucket(n: int, floor: int = 1, limit: Optional[int] = None) -> int:
     """The smallest size >= n (and >= floor) of the ladder 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, ...
     (2^k and 3 * 2^(k-1)), capped at `limit` (never below n). Shapes drawn from it bound the programs a
@@ -435,6 +430,24 @@ def bucket(n: int, floor: int = 1, limit: Optional[int] = None) -> int:
         power_of_two = size >= 2 and size & (size - 1) == 0
         size = size * 3 // 2 if power_of_two else 1 << size.bit_length()
     return size if limit is None else max(n, min(size, int(limit)))
+
+
+# Smallest KV cache a generation program gets. A program's shapes are the batch and the cache length
+# (prompt width + max_new + one round's commit width); the prompt array is as wide as the cache bucket
+# leaves room for and the prefill runs only the chunks the prompts need (`loop.chunked_prefill`), so
+# every prompt up to this length minus max_new shares one program per batch size. Attending over a
+# longer cache costs each decoding step K/V reads: 256 slots of SmolLM2-135M are 12 MB (f32) against
+# its 538 MB of weights.
+MIN_CACHE_LEN = 256
+
+
+def prompt_width(spec: "EngineSpec", longest: int) -> int:
+    """The prompt width `run_engine` pads a batch to by default: the room a cache-length bucket
+    (`bucket` of longest + max_new + commit width, at least MIN_CACHE_LEN, at most the model's
+    context + commit width) leaves after max_new and the commit width; never below `longest`."""
+    extra = spec.max_new + spec.commit_width
+    limit = spec.cfg.max_seq_len + spec.commit_width
+    return bucket(int(longest) + extra, min(MIN_CACHE_LEN, limit), limit) - extra
 
 
 def pad_batch(prompts: Sequence[Sequence[int]], batch_size: int, width: int):
@@ -475,10 +488,11 @@ def run_engine(engine: Engine, prompts: Sequence[Sequence[int]], *, seed: int = 
                width: Optional[int] = None, fixed_batch: bool = False, return_states: bool = False):
     """Generate for already-validated token prompts with a built engine (see `generate`).
     Batches are padded to `batch_size` rows (unless `fixed_batch`, to fewer when there are fewer
-    prompts: the next `bucket` size) and prompts to `width` (default: the longest prompt's `bucket`
-    size, at least MIN_PROMPT_WIDTH), so every batch of a call runs the same compiled program, and
-    calls with prompts of nearby lengths share it: a process compiles a handful of programs, not
-    one per prompt length. Padding is exact: padded positions are masked and idle rows ignored."""
+    prompts: the next `bucket` size) and prompts to `width` (default: `prompt_width`, from a bucket
+    of cache lengths), so every batch of a call runs the same compiled program, and calls with
+    prompts of any length up to the bucket share it: a process compiles a handful of programs, not
+    one per prompt length. Padding is exact: padded positions are masked and idle rows ignored,
+    and the prefill skips the chunks past the longest prompt."""
     spec = engine.spec
     if not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
         raise ConfigError(f"batch_size={batch_size!r} is invalid: expected a positive integer")
@@ -490,7 +504,7 @@ def run_engine(engine: Engine, prompts: Sequence[Sequence[int]], *, seed: int = 
     if spec.sharding is not None:  # whole rows per device: pad the batch with idle rows
         n = spec.sharding.axis_size("batch")
         batch_size = -(-batch_size // n) * n
-    width = width or bucket(max(len(p) for p in prompts), MIN_PROMPT_WIDTH, spec.cfg.max_seq_len - spec.max_new)
+    width = width or prompt_width(spec, max(len(p) for p in prompts))
     results, states = [], []
     for start in range(0, len(prompts), batch_size):
         chunk = prompts[start:start + batch_size]

@@ -23,7 +23,13 @@ import jax.numpy as jnp
 
 from m2r2_jax.decoding.sampling import Sampling, select
 from m2r2_jax.models.config import ModelConfig
-from m2r2_jax.models.transformer import cache_length, forward, init_cache
+from m2r2_jax.models.layers import dtype_of
+from m2r2_jax.models.transformer import cache_length, embed, head, init_cache, run_layers
+
+# Prompt positions one prefill step runs. The prefill loops over chunks of this many positions, only
+# as many as the longest prompt of the batch needs, so a program compiled for a wide prompt array
+# (a cache-length bucket, `api.prompt_width`) costs a short prompt no more than its own chunks.
+PREFILL_CHUNK = 32
 
 
 class GenState(NamedTuple):
@@ -60,11 +66,6 @@ def write_positions(st: GenState, positions: jax.Array) -> jax.Array:
     return jnp.where(done, s, positions)
 
 
-def prompt_positions(lengths: jax.Array, width: int, sentinel: int) -> jax.Array:
-    pos = jnp.broadcast_to(jnp.arange(width)[None], (lengths.shape[0], width))
-    return jnp.where(pos < lengths[:, None], pos, sentinel)
-
-
 def is_stop(tokens: jax.Array, eos_ids: tuple[int, ...]) -> jax.Array:
     """Bool array shaped like `tokens`: which tokens are any of the stop ids. `eos_ids` is a static
     tuple, so this unrolls to one compare per id (a handful at most); empty: nothing stops."""
@@ -72,6 +73,41 @@ def is_stop(tokens: jax.Array, eos_ids: tuple[int, ...]) -> jax.Array:
     for e in eos_ids:
         hit = hit | (tokens == e)
     return hit
+
+
+def chunked_prefill(cfg: ModelConfig, params, prompts: jax.Array, lengths: jax.Array, cache: dict,
+                    chunk: int = PREFILL_CHUNK):
+    """Write the K/V of right-padded prompts [B, W] into `cache`, `chunk` positions per step.
+
+    A `lax.while_loop` runs ceil(max(lengths) / chunk) steps (at most ceil(W / chunk)), so the
+    compiled program does not depend on how long the prompts are, only on W, and padding past the
+    longest prompt costs nothing. Each step attends over the cache like a decoding step does (the
+    cache is position-addressed; a chunk's queries see the earlier chunks' keys), which gives the
+    same K/V as one forward over the whole prompt. Returns (cache, h_last [B, d]): the last layer's
+    output at each prompt's last position, before the final norm (the head runs on it once instead
+    of on every prompt position)."""
+    b, width = prompts.shape
+    chunk = max(1, min(int(chunk), width))
+    n_max = -(-width // chunk)
+    prompts = jnp.pad(prompts, ((0, 0), (0, n_max * chunk - width)))
+    sentinel = cache_length(cache)
+    n_chunks = jnp.minimum((jnp.max(lengths) + chunk - 1) // chunk, n_max)
+    h_last = jnp.zeros((b, cfg.d_model), dtype_of(cfg.dtype))
+
+    def step(carry):
+        i, cache, h_last = carry
+        start = i * chunk
+        toks = jax.lax.dynamic_slice_in_dim(prompts, start, chunk, axis=1)
+        pos = start + jnp.arange(chunk)[None]
+        pos = jnp.where(pos < lengths[:, None], pos, sentinel)
+        x, cache, _, _ = run_layers(cfg, params, embed(cfg, params, toks), pos, cache)
+        at = lengths - 1 - start  # the prompt's last position inside this chunk, if it is there
+        h = jnp.take_along_axis(x, jnp.clip(at, 0, chunk - 1)[:, None, None], axis=1)[:, 0]
+        h_last = jnp.where(((at >= 0) & (at < chunk))[:, None], h, h_last)
+        return i + 1, cache, h_last
+
+    _, cache, h_last = jax.lax.while_loop(lambda c: c[0] < n_chunks, step, (jnp.int32(0), cache, h_last))
+    return cache, h_last
 
 
 def prefill(
@@ -90,12 +126,11 @@ def prefill(
     dstate: Any = (),
     extra: Any = (),
 ) -> GenState:
-    """Run the prompts through the base model, draw the first new token, build the state."""
+    """Run the prompts through the base model (`chunked_prefill`), draw the first new token, build
+    the state."""
     b, width = prompts.shape
-    cache = init_cache(cfg, b, cache_len)
-    positions = prompt_positions(lengths, width, cache_len)
-    logits, cache = forward(cfg, params, prompts, positions, cache)
-    last = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]
+    cache, h_last = chunked_prefill(cfg, params, prompts, lengths, init_cache(cfg, b, cache_len))
+    last = head(cfg, params, h_last[:, None])[:, 0]
     first = select(round_keys(keys, 0), last, sampling)
     prev = jnp.take_along_axis(prompts, (lengths - 1)[:, None], axis=1)[:, 0]
     out = jnp.zeros((b, max_new + commit_width), jnp.int32).at[:, 0].set(first)

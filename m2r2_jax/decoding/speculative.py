@@ -40,7 +40,7 @@ from typing import Any, Callable, NamedTuple, Optional
 import jax
 import jax.numpy as jnp
 
-from m2r2_jax.decoding.loop import GenState, commit, pending_positions, round_keys, write_positions
+from m2r2_jax.decoding.loop import GenState, chunked_prefill, commit, pending_positions, round_keys, write_positions
 from m2r2_jax.decoding.sampling import Sampling, greedy_accept, probs_from_logits, rejection_accept, sample_from_probs
 from m2r2_jax.models.config import ModelConfig
 from m2r2_jax.models.layers import dtype_of
@@ -93,7 +93,7 @@ class _SelfDrafter:
     def init_state(self, batch: int, cache_len: int):
         return ()
 
-    def prefill(self, params, dstate, prompts, positions):
+    def prefill(self, params, dstate, prompts, lengths):
         return dstate
 
 
@@ -164,9 +164,8 @@ class TwoModelDrafter:
     def init_state(self, batch: int, cache_len: int):
         return init_cache(self.draft_cfg, batch, cache_len)
 
-    def prefill(self, params, dstate, prompts, positions):
-        _, dstate = forward(self.draft_cfg, params["draft"], prompts, positions, dstate)
-        return dstate
+    def prefill(self, params, dstate, prompts, lengths):
+        return chunked_prefill(self.draft_cfg, params["draft"], prompts, lengths, dstate)[0]
 
     def step(self, params, cache, dstate, tokens, positions):
         logits, dstate = forward(self.draft_cfg, params["draft"], tokens, positions, dstate)

@@ -7,40 +7,21 @@ transformers' on the same file, and every speculative method gives ar's tokens."
 import json
 import os
 import subprocess
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-from m2r2_jax.interop.fetch import default_cache_dir, model_source
+from real_models import M2R2, converted_checkpoint, fetched, transformers_reference
 
-SOURCE = model_source("gemma3-270m")
-CACHED = default_cache_dir() / SOURCE.name / SOURCE.filename
-M2R2 = str(Path(sys.executable).with_name("m2r2"))
+SOURCE, CACHED, pytestmark = fetched("gemma3-270m")
+ckpt = converted_checkpoint(CACHED)
 PROMPTS = ["The capital of France is", "Here is a short poem about the sea:\n",
            "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n"]
 MAX_NEW = 32
 
-pytestmark = pytest.mark.skipif(not CACHED.is_file(), reason=f"the real model is not in the fetch cache ({CACHED}); "
-                                "`m2r2 fetch gemma3-270m --out DIR` puts it there")
-
-
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    from m2r2_jax.interop.convert import convert_gguf
-
-    return convert_gguf(CACHED, tmp_path_factory.mktemp("real") / "ckpt")
-
-
 @pytest.fixture(scope="module")
 def reference():
-    torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
-    tok = transformers.AutoTokenizer.from_pretrained(CACHED.parent, gguf_file=CACHED.name)
-    model = transformers.AutoModelForCausalLM.from_pretrained(CACHED.parent, gguf_file=CACHED.name,
-                                                              dtype=torch.float32).eval()
-    return torch, tok, model
+    return transformers_reference(CACHED)
 
 
 def _mt_bench_texts(n):

@@ -7,34 +7,21 @@ project ships for it load onto it (same fingerprint) and draft losslessly."""
 import json
 import os
 import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-from m2r2_jax.interop.fetch import default_cache_dir, model_source
+from real_models import M2R2, converted_checkpoint, fetched, transformers_reference
 
-SOURCE = model_source("smollm2-135m-instruct")
-CACHED = default_cache_dir() / SOURCE.name / SOURCE.filename
-M2R2 = str(Path(sys.executable).with_name("m2r2"))
+SOURCE, CACHED, pytestmark = fetched("smollm2-135m-instruct")
+ckpt = converted_checkpoint(CACHED)
 QUESTIONS = ["What is the capital of France?", "Write a haiku about the sea.",
              "List three prime numbers greater than 100, then explain why 91 is not prime."]
 MAX_NEW = 48
 
-pytestmark = pytest.mark.skipif(not CACHED.is_file(), reason=f"the real model is not in the fetch cache ({CACHED}); "
-                                "`m2r2 fetch smollm2-135m-instruct --out DIR` puts it there")
-
-
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    from m2r2_jax.interop.convert import convert_gguf
-
-    return convert_gguf(CACHED, tmp_path_factory.mktemp("real") / "ckpt")
-
 
 def test_generate_equals_transformers_greedy(tmp_path, ckpt):
-    torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("torch")  # before the slow part: the reference needs both
+    pytest.importorskip("transformers")
     from m2r2_jax.data.chat_template import encode_prompt
     from m2r2_jax.data.tokenizer import load_tokenizer
 
@@ -47,9 +34,7 @@ def test_generate_equals_transformers_greedy(tmp_path, ckpt):
     assert r.returncode == 0, r.stderr
     ours = [json.loads(line)["tokens"] for line in (tmp_path / "o.jsonl").read_text().splitlines()]
 
-    ref_tok = transformers.AutoTokenizer.from_pretrained(CACHED.parent, gguf_file=CACHED.name)
-    model = transformers.AutoModelForCausalLM.from_pretrained(CACHED.parent, gguf_file=CACHED.name,
-                                                              dtype=torch.float32).eval()
+    torch, ref_tok, model = transformers_reference(CACHED)
     for q, got in zip(QUESTIONS, ours):
         ids = ref_tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
                                           tokenize=True, return_dict=False)
