@@ -160,7 +160,7 @@ def main(argv):
                            layer_loop=FLAGS.layer_loop, eos_ids=eos)
     report = {"device": device_summary(), "layer_loop": layer_loops, "prompts": FLAGS.prompts,
               "n_prompts": len(prompts), "stop_ids": eos,
-              "fresh_m2r2_params": fresh, "sharding": plan.describe() if plan else None, "m2r2": mcfg.to_dict(),
+              "fresh_m2r2_params": fresh, "sharding": _placement(plan, base_params, m2r2_params, draft), "m2r2": mcfg.to_dict(),
               "draft_vocab": None if vocab is None else {
                   "file": FLAGS.draft_vocab, "size": int(vocab.size),
                   # how much of what ar actually wrote the subset could have drafted
@@ -189,3 +189,15 @@ def main(argv):
         R.write_plots(report, out)
     print(R.table(report))
     print(json.dumps({"report": str(out / "report.json")}))
+
+
+def _placement(plan, base_params, m2r2_params, draft):
+    """The plan and how it placed the benchmarked parameters (padded or replicated dimensions), or None."""
+    if plan is None:
+        return None
+    from m2r2_jax.sharding.params import placement_notes
+
+    trees = {"base": base_params, "m2r2": m2r2_params, "draft": None if draft is None else draft[1]}
+    return plan.describe({f"{k}/{key}": line for k, t in trees.items() if t is not None
+                          for key, line in placement_notes(plan, t).items()})
+

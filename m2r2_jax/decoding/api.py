@@ -284,6 +284,7 @@ class Engine:
     spec: EngineSpec
     params: Any  # {"base": ..., "m2r2": ..., "draft": ..., "exit_norm_scale": ..., "draft_head": ...}
     param_shardings: Any = None  # sharded engines: NamedSharding per leaf of params
+    placement_notes: dict = dataclasses.field(default_factory=dict, compare=False)  # sharded: padded / replicated dims
     compiled: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
 
@@ -390,11 +391,13 @@ def build_engine(
                       eos_ids=eos_ids, drafter=drafter, accept_fn=accept_fn, sharding=plan)
     if plan is None:
         return Engine(spec, params)
-    from m2r2_jax.sharding.params import param_shardings, put_global
+    from m2r2_jax.sharding.params import param_shardings, placement_notes, put_global
 
-    shardings = {k: (jax.tree.map(lambda _: plan.replicated, v) if k in ("exit_norm_scale", "draft_head")
-                     else param_shardings(plan, v)) for k, v in params.items()}
-    return Engine(spec, put_global(params, shardings), shardings)
+    by_axes = {k: v for k, v in params.items() if k not in ("exit_norm_scale", "draft_head")}  # others: replicated
+    shardings = {k: (param_shardings(plan, v) if k in by_axes else jax.tree.map(lambda _: plan.replicated, v))
+                 for k, v in params.items()}
+    notes = {f"{k}/{key}": line for k, v in by_axes.items() for key, line in placement_notes(plan, v).items()}
+    return Engine(spec, put_global(params, shardings), shardings, notes)
 
 
 # --------------------------------------------------------------------------------------------

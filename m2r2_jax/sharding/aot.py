@@ -31,7 +31,7 @@ import jax.numpy as jnp
 
 from m2r2_jax.errors import ConfigError
 from m2r2_jax.models.config import ModelConfig
-from m2r2_jax.sharding.params import pad_vocab_leaves, param_shardings
+from m2r2_jax.sharding.params import pad_vocab_leaves, param_shardings, placement_notes
 from m2r2_jax.sharding.plan import ShardingPlan
 
 GIB = 1024 ** 3
@@ -148,7 +148,8 @@ def check_train(model_cfg: ModelConfig, plan: ShardingPlan, *, batch_size: int, 
     compiled, seconds, exported = _lower_and_compile(
         step, _abstract(state, state_sh), _abstract(frozen, frozen_sh),
         jax.ShapeDtypeStruct(batch.shape, batch.dtype, sharding=batch_sh), platform=platform)
-    return {"program": "distill_step" if m2r2_cfg is not None else "pretrain_step", "sharding": plan.describe(),
+    notes = {**placement_notes(plan, frozen), **placement_notes(plan, trainable, pad_vocab=False)}
+    return {"program": "distill_step" if m2r2_cfg is not None else "pretrain_step", "sharding": plan.describe(notes),
             "batch_size": batch_size, "seq_len": seq_len, **exported, "compile_seconds": round(seconds, 2),
             **_memory(compiled, device_memory_bytes, headroom)}
 
@@ -184,6 +185,7 @@ def check_generate(model_cfg: ModelConfig, plan: ShardingPlan, *, method: str = 
     compiled, seconds, exported = _lower_and_compile(
         jitted, _abstract(engine.params, shardings), *batch,
         jax.ShapeDtypeStruct((), jnp.float32, sharding=plan.replicated), platform=platform)
-    return {"program": f"generate_{method}", "sharding": plan.describe(), "batch_size": batch_size,
+    notes = {f"{k}/{key}": line for k, v in engine.params.items() for key, line in placement_notes(plan, v).items()}
+    return {"program": f"generate_{method}", "sharding": plan.describe(notes), "batch_size": batch_size,
             "prompt_len": prompt_len, "max_new_tokens": max_new_tokens, **exported,
             "compile_seconds": round(seconds, 2), **_memory(compiled, device_memory_bytes, headroom)}

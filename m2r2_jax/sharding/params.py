@@ -7,8 +7,8 @@ under `layers` or inside the M2R2 tree's stacked groups. An unknown leaf is an e
 silently replicated, so a new parameter cannot slip through unsharded.
 
 A dimension that its mesh axes do not divide (a vocabulary of 257, 32,001 or 50,257 over tensor=4)
-is not refused; what happens instead is recorded as a note in the plan's description
-(`ShardingPlan.describe()`), naming the parameter, the dimension and why, so a mesh never runs
+is not refused; what happens instead is said by `placement_notes` (shown by
+`ShardingPlan.describe`), naming the parameter, the dimension and why, so a mesh never runs
 replicated by surprise (that is what runs out of memory on the real hardware):
 
 (a) Vocabulary dimensions (the embedding's rows, the untied LM head's columns) are *padded*: the
@@ -132,11 +132,12 @@ def _dividing_part(mesh, part, size: int):
     return None
 
 
-def _leaf_sharding(plan: ShardingPlan, keys: tuple, shape, axes, pad_vocab: bool) -> NamedSharding:
-    """The leaf's sharding by its logical axes; a dimension its mesh axes do not divide is padded
-    (vocabulary, `pad_vocab`) or replicated, with a note in the plan (see the module docstring)."""
+def _leaf_sharding(plan: ShardingPlan, keys: tuple, shape, axes, pad_vocab: bool):
+    """(sharding, notes) of one leaf: its sharding by its logical axes, where a dimension its mesh
+    axes do not divide is padded (vocabulary, `pad_vocab`) or replicated, and {key: line} saying
+    which and why (see the module docstring)."""
     spec = plan.spec(axes)
-    parts, name, changed = list(spec), "/".join(keys), False
+    parts, name, changed, notes = list(spec), "/".join(keys), False, {}
     for dim, part in enumerate(parts):
         if part is None:
             continue
@@ -145,24 +146,41 @@ def _leaf_sharding(plan: ShardingPlan, keys: tuple, shape, axes, pad_vocab: bool
             continue
         where = f"{_axes_text(part)}={n}"
         if axes[dim] == "vocab" and pad_vocab:
-            plan.note(f"{name}:{dim}", f"{name}: vocab {size} padded to {-(-size // n) * n} for {where}")
+            notes[f"{name}:{dim}"] = f"{name}: vocab {size} padded to {-(-size // n) * n} for {where}"
             continue
         kept = _dividing_part(plan.mesh, part, size)
         why = ("a trained parameter is not padded" if axes[dim] == "vocab" else f"{size} is not divisible by {n}")
         over = "" if kept is None else f" (split over {_axes_text(kept)} only)"
-        plan.note(f"{name}:{dim}", f"{name}: dimension {dim} ({axes[dim]}={size}) replicated over {where}{over}: {why}")
+        notes[f"{name}:{dim}"] = f"{name}: dimension {dim} ({axes[dim]}={size}) replicated over {where}{over}: {why}"
         parts[dim], changed = kept, True
-    return NamedSharding(plan.mesh, P(*parts) if changed else spec)
+    return NamedSharding(plan.mesh, P(*parts) if changed else spec), notes
+
+
+def _placed(plan: ShardingPlan, tree, pad_vocab: bool):
+    return jax.tree_util.tree_map_with_path(
+        lambda path, x: _leaf_sharding(plan, _keys(path), x.shape, leaf_axes(_keys(path), len(x.shape)), pad_vocab),
+        tree)
+
+
+def _is_placed(x) -> bool:
+    return isinstance(x, tuple) and len(x) == 2 and isinstance(x[0], NamedSharding)
 
 
 def param_shardings(plan: ShardingPlan, tree, pad_vocab: bool = True) -> Any:
     """NamedSharding per leaf of a parameter tree (base, M2R2 or draft model). A vocabulary
     dimension its mesh axes do not divide keeps its split (the leaf is padded when placed:
     `put_global`, `pad_vocab_leaves`) unless `pad_vocab` is False (trained parameters), in which case it
-    is replicated like any other non-dividing dimension; each such case is a note in the plan."""
-    return jax.tree_util.tree_map_with_path(
-        lambda path, x: _leaf_sharding(plan, _keys(path), x.shape, leaf_axes(_keys(path), len(x.shape)), pad_vocab),
-        tree)
+    is replicated like any other non-dividing dimension; `placement_notes` says which."""
+    return jax.tree.map(lambda x: x[0], _placed(plan, tree, pad_vocab), is_leaf=_is_placed)
+
+
+def placement_notes(plan: ShardingPlan, tree, pad_vocab: bool = True) -> dict:
+    """{key: line} for every dimension of `tree` that `param_shardings` pads or replicates on this
+    plan's mesh (for `ShardingPlan.describe`), in the tree's order; {} when every dimension divides."""
+    notes: dict = {}
+    for _, leaf_notes in jax.tree.leaves(_placed(plan, tree, pad_vocab), is_leaf=_is_placed):
+        notes.update(leaf_notes)
+    return notes
 
 
 def _vocab_padding(keys: tuple, shape, sharding) -> Optional[tuple]:

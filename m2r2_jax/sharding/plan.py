@@ -11,8 +11,7 @@ the constraints.
 
 An activation dimension that its mesh axes do not divide (a batch of 1 over data=2, say) stays
 unsharded in that constraint. A parameter dimension that they do not divide is padded (the
-vocabulary) or replicated, and the plan records it: `note`, shown by `describe()` (see
-`params.param_shardings`).
+vocabulary) or replicated, and `params.placement_notes` says which, for `describe(notes)`.
 """
 
 from __future__ import annotations
@@ -20,7 +19,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
-from typing import Optional, Sequence
+from typing import Mapping, Optional, Sequence
 
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
@@ -36,9 +35,6 @@ class ShardingPlan:
     mesh: Mesh
     rules: Rules
     name: str = "custom"
-    # What placing parameters for this plan had to do about dimensions its mesh axes do not divide
-    # (key -> one line). Not part of the plan's identity: equal plans compile to the same program.
-    notes: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
     def from_preset(cls, preset: str, mesh: MeshSpec = None, devices=None) -> "ShardingPlan":
@@ -71,15 +67,11 @@ class ShardingPlan:
         """Devices that logical axis `name` is split over."""
         return axis_size(self.mesh, self.rules.mesh_axes(name) or None)
 
-    def note(self, key: str, text: str) -> None:
-        """Record a line about how a parameter is placed (`params.param_shardings`); one per key."""
-        self.notes[key] = text
-
-    def describe(self) -> str:
-        """'specdec on mesh data=2,...' and, after parameters were placed, a note per padded or
-        replicated parameter dimension."""
+    def describe(self, notes: Mapping[str, str] = None) -> str:
+        """'specdec on mesh data=2,...' and one line per note of how parameters were placed on it
+        (`params.placement_notes`: each padded or replicated parameter dimension)."""
         text = f"{self.name} on mesh {format_mesh(dict(self.mesh.shape))}"
-        return "; ".join([text, *self.notes.values()])
+        return "; ".join([text, *(notes or {}).values()])
 
     @contextlib.contextmanager
     def scope(self):

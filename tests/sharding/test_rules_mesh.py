@@ -11,7 +11,7 @@ from m2r2_jax.m2r2.config import M2R2Config
 from m2r2_jax.m2r2.fast_stream import init_m2r2_params
 from m2r2_jax.models.transformer import init_params
 from m2r2_jax.sharding.mesh import make_mesh, parse_mesh, resolve_sizes
-from m2r2_jax.sharding.params import describe_shardings, logical_axes, param_shardings
+from m2r2_jax.sharding.params import describe_shardings, logical_axes, param_shardings, placement_notes
 from m2r2_jax.sharding.plan import ShardingPlan, constrain
 from m2r2_jax.sharding.presets import load_preset
 from m2r2_jax.sharding.rules import LOGICAL_AXES, Rules
@@ -107,7 +107,7 @@ def test_unknown_parameters_are_errors_and_an_indivisible_vocabulary_is_padded()
     base = jax.eval_shape(lambda: init_params(cfg, jax.random.key(0)))
     specs = describe_shardings(param_shardings(plan, base))  # padded to 64 when placed (test_padded_vocab.py)
     assert specs["embed/embedding"] == "P('tensor', None)" and specs["lm_head/kernel"] == "P(None, 'tensor')"
-    assert "embed/embedding: vocab 61 padded to 64 for tensor=8" in plan.describe()
+    assert "embed/embedding: vocab 61 padded to 64 for tensor=8" in plan.describe(placement_notes(plan, base))
 
 
 def test_constrain_is_the_identity_without_a_plan_and_fits_odd_shapes_with_one():
