@@ -160,7 +160,8 @@ def main(argv):
                            layer_loop=FLAGS.layer_loop, eos_ids=eos)
     report = {"device": device_summary(), "layer_loop": layer_loops, "prompts": FLAGS.prompts,
               "n_prompts": len(prompts), "stop_ids": eos,
-              "fresh_m2r2_params": fresh, "sharding": _placement(plan, base_params, m2r2_params, draft), "m2r2": mcfg.to_dict(),
+              "fresh_m2r2_params": fresh, "sharding": _placement(plan, base_params, m2r2_params, draft),
+              "m2r2": mcfg.to_dict(),
               "draft_vocab": None if vocab is None else {
                   "file": FLAGS.draft_vocab, "size": int(vocab.size),
                   # how much of what ar actually wrote the subset could have drafted
@@ -200,4 +201,3 @@ def _placement(plan, base_params, m2r2_params, draft):
     trees = {"base": base_params, "m2r2": m2r2_params, "draft": None if draft is None else draft[1]}
     return plan.describe({f"{k}/{key}": line for k, t in trees.items() if t is not None
                           for key, line in placement_notes(plan, t).items()})
-
