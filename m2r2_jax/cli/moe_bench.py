@@ -8,7 +8,8 @@ simulated ladder adds two Belady (MIN eviction) rungs, on_demand_belady and orac
 that need the future routing, so the engine skips them; "ceiling" in the output bounds every policy.
 Writes DIR/moe_report.json and PNG plots. Without --m2r2 the M2R2 parameters are fresh (untrained)
 and the report says so. `--forced_prompt_len N` records the trace teacher-forced on each prompt
-row's tokens after the first N (the real engine still decodes greedily). The m2r2 predictor's
+row's tokens after the first N, `--forced_per_row` after each row's own "prompt_len" (the real
+engine still decodes greedily). The m2r2 predictor's
 source per layer is chosen on `--calibration FILE` (default: the prompts' own tokens, which are
 prefill and never traced); `--nocalibrate_m2r2` keeps the built-in sources. The fast pass then runs
 only the steps those sources need; `--m2r2_recall_tolerance T` lets the choice drop more steps while
@@ -43,6 +44,10 @@ flags.DEFINE_integer("forced_prompt_len", 0,
                      "0: trace the model's own greedy decoding. N > 0: teacher forcing: each prompt's first N tokens "
                      "are the prompt and its next max_new_tokens tokens are fed instead of the greedy ones, so the "
                      "trace follows real text (a briefly trained model's greedy output repeats itself)", lower_bound=0)
+flags.DEFINE_bool("forced_per_row", False,
+                  "teacher forcing with each row's own split: a row's \"prompt_len\" field says how many of its tokens "
+                  "are the prompt, and its next max_new_tokens are fed instead of the greedy ones (rows of chat "
+                  "prompts of different lengths followed by a model's answers)")
 flags.DEFINE_bool("calibrate_m2r2", True, "choose the m2r2 predictor's source per layer on calibration text")
 flags.DEFINE_string("calibration", None, "prompt file whose texts choose the m2r2 predictor's sources "
                     "(default: the prompts' own tokens); keep it apart from the traced text")
@@ -53,7 +58,20 @@ flags.mark_flags_as_required(["checkpoint", "prompts", "out"])
 FLAGS = flags.FLAGS
 
 
-def check_inputs(cfg, prompts) -> None:
+def forced_splits(prompts) -> list:
+    """Per prompt row, how many of its tokens are the prompt under teacher forcing (0: none):
+    --forced_prompt_len for every row, or each row's own "prompt_len" with --forced_per_row."""
+    from m2r2_jax.data.prompt_files import row_split_points
+    from m2r2_jax.errors import ConfigError
+
+    if FLAGS.forced_per_row and FLAGS.forced_prompt_len:
+        raise ConfigError("--forced_per_row and --forced_prompt_len are two ways to split the rows: give one")
+    if FLAGS.forced_per_row:
+        return row_split_points(FLAGS.prompts, max_prompts=FLAGS.max_prompts)[:len(prompts)]
+    return [FLAGS.forced_prompt_len] * len(prompts)
+
+
+def check_inputs(cfg, prompts, splits) -> None:
     """The flag and prompt checks the benchmark would otherwise make minutes into its run."""
     from m2r2_jax.errors import ConfigError, DataError
     from m2r2_jax.moe_offload import platforms as P
@@ -68,12 +86,12 @@ def check_inputs(cfg, prompts) -> None:
         P.get_platform(name)
     if not FLAGS.shapes or not FLAGS.platforms:
         raise ConfigError("--shapes and --platforms need at least one name each")
-    n = FLAGS.forced_prompt_len
-    for i, p in enumerate(prompts, 1):
+    split = "prompt_len={}" if FLAGS.forced_per_row else "--forced_prompt_len={}"
+    for i, (p, n) in enumerate(zip(prompts, splits), 1):
         if min(p) < 0 or max(p) >= cfg.vocab_size:
             raise DataError(f"{FLAGS.prompts}: prompt {i} has a token id outside the vocabulary [0, {cfg.vocab_size})")
         if n and len(p) < n + FLAGS.max_new_tokens:
-            raise DataError(f"{FLAGS.prompts}: prompt {i} has {len(p)} tokens; --forced_prompt_len={n} with "
+            raise DataError(f"{FLAGS.prompts}: prompt {i} has {len(p)} tokens; {split.format(n)} with "
                             f"--max_new_tokens={FLAGS.max_new_tokens} needs {n + FLAGS.max_new_tokens}")
         if n:
             p = p[:n]
@@ -106,7 +124,8 @@ def main(argv):
         if any(min(p) < 0 or max(p) >= cfg.vocab_size for p in calibration):
             raise DataError(f"{FLAGS.calibration}: a token id is outside the vocabulary [0, {cfg.vocab_size})")
         calibration = [p[: cfg.max_seq_len] for p in calibration]
-    check_inputs(cfg, prompts)  # every input problem surfaces before the model is loaded or a line is printed
+    splits = forced_splits(prompts)
+    check_inputs(cfg, prompts, splits)  # every input problem surfaces before the model is loaded or a line is printed
     cfg, params = load_model(FLAGS.checkpoint, cfg)
     fresh = FLAGS.m2r2 is None
     if fresh:
@@ -117,16 +136,17 @@ def main(argv):
     else:
         mcfg, m2r2_params = load_m2r2(FLAGS.m2r2, cfg, params_fingerprint(cfg, params))
     continuations = None
-    if FLAGS.forced_prompt_len:
-        n = FLAGS.forced_prompt_len
-        prompts, continuations = [p[:n] for p in prompts], [p[n:n + FLAGS.max_new_tokens] for p in prompts]
+    if any(splits):
+        prompts, continuations = ([p[:n] for p, n in zip(prompts, splits)],
+                                  [p[n:n + FLAGS.max_new_tokens] for p, n in zip(prompts, splits)])
     report = moe_report(cfg, params, mcfg, m2r2_params, prompts, max_new_tokens=FLAGS.max_new_tokens,
                         capacity=FLAGS.capacity or None, shapes=FLAGS.shapes, platforms=FLAGS.platforms,
                         run_real_engine=FLAGS.engine, fresh_m2r2=fresh, continuations=continuations,
                         calibration=calibration, calibrate_m2r2=FLAGS.calibrate_m2r2,
                         m2r2_recall_tolerance=FLAGS.m2r2_recall_tolerance, bar="moe-bench")
     report["inputs"] = {"checkpoint": str(FLAGS.checkpoint), "m2r2": FLAGS.m2r2, "prompts": str(FLAGS.prompts),
-                        "forced_prompt_len": FLAGS.forced_prompt_len, "calibration": FLAGS.calibration}
+                        "forced_prompt_len": FLAGS.forced_prompt_len, "forced_per_row": FLAGS.forced_per_row,
+                        "calibration": FLAGS.calibration}
     load = report["trace"]["expert_load"]
     if load["skewed"]:
         print(f"m2r2 moe-bench: the base routes most tokens to a few experts (busiest expert "

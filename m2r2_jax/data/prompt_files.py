@@ -75,3 +75,22 @@ def read_prompt_file(path, tokenizer=None, *, encode: bool = True, max_prompts: 
     if not prompts:
         raise DataError(f"prompts file {path} has no prompts")
     return prompts, where_all
+
+
+def row_split_points(path, max_prompts: Optional[int] = None) -> list:
+    """Each prompt row's "prompt_len" field (a positive int: how many of the row's tokens are the
+    prompt, the rest a continuation to feed, e.g. the model's own answer), in the order
+    `read_prompt_file` returns the rows. A row without it, or with anything but a positive int, is
+    a `DataError` naming FILE:LINE."""
+    out = []
+    for where, line in _lines(path):
+        _prompt_of(where, line)  # the same checks as read_prompt_file
+        value = json.loads(line).get("prompt_len")
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise DataError(f"{where}: expected \"prompt_len\", a positive integer (the row's prompt tokens), "
+                            f"got {value!r}")
+        out.append(value)
+        if max_prompts and len(out) >= max_prompts:
+            break
+    return out
+

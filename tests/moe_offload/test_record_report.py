@@ -182,6 +182,35 @@ def _run_cli(args, cwd):
                           capture_output=True, text=True, env=env, cwd=cwd, timeout=600)
 
 
+def test_cli_teacher_forces_each_row_at_its_own_prompt_length(setup, tmp_path):
+    """Chat prompts differ in length: with --forced_per_row each row's "prompt_len" splits it into
+    the prompt and the tokens fed (here 3 + 2 and 2 + 2, the fed tokens 40 40 and 40 41)."""
+    cfg, params = setup[:2]
+    ckpt = save_model(tmp_path / "moe", cfg, params)
+    prompts = tmp_path / "answers.jsonl"
+    prompts.write_text('{"tokens": [3, 17, 5, 40, 40, 9], "prompt_len": 3}\n'
+                       '{"tokens": [8, 9, 40, 41], "prompt_len": 2}\n')
+    out = tmp_path / "out"
+    common = ["--checkpoint", str(ckpt), "--out", str(out), "--max_new_tokens", "2", "--noengine",
+              "--shapes", "olmoe-1b-7b", "--platforms", "pcie_gen5"]
+    r = _run_cli([*common, "--prompts", str(prompts), "--forced_per_row"], tmp_path)
+    assert r.returncode == 0, r.stderr[-2000:]
+    rep = json.loads((out / "moe_report.json").read_text())
+    assert rep["trace"]["teacher_forced"] and rep["trace"]["decoded_tokens"] == 4
+    assert rep["trace"]["distinct_token_fraction"] == 0.5  # 40 40 40 41: the fed tokens, not greedy ones
+    assert rep["inputs"]["forced_per_row"] is True
+    # a row without its split, a split too late for max_new_tokens, or both ways of splitting: one line each
+    bad = tmp_path / "bad.jsonl"
+    for text, flag, says in (('{"tokens": [3, 17, 5, 40]}\n', "--forced_per_row", "bad.jsonl:1"),
+                             ('{"tokens": [3, 17, 5, 40], "prompt_len": 3}\n', "--forced_per_row", "prompt_len=3"),
+                             ('{"tokens": [3, 17, 5, 40], "prompt_len": 1}\n', "--forced_prompt_len=1",
+                              "two ways to split")):
+        bad.write_text(text)
+        extra = ["--forced_per_row"] if says == "two ways to split" else []
+        r = _run_cli([*common, "--prompts", str(bad), flag, *extra], tmp_path)
+        assert r.returncode == 2 and says in r.stderr.strip().splitlines()[-1], r.stderr[-1000:]
+
+
 def test_cli_writes_report_and_plots(setup, tmp_path):
     cfg, params = setup[:2]
     ckpt = save_model(tmp_path / "moe", cfg, params)
