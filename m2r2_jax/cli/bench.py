@@ -196,8 +196,7 @@ def _placement(plan, base_params, m2r2_params, draft):
     """The plan and how it placed the benchmarked parameters (padded or replicated dimensions), or None."""
     if plan is None:
         return None
-    from m2r2_jax.sharding.params import placement_notes
+    from m2r2_jax.sharding.params import named_placement_notes
 
     trees = {"base": base_params, "m2r2": m2r2_params, "draft": None if draft is None else draft[1]}
-    return plan.describe({f"{k}/{key}": line for k, t in trees.items() if t is not None
-                          for key, line in placement_notes(plan, t).items()})
+    return plan.describe(named_placement_notes(plan, trees))

@@ -391,13 +391,12 @@ def build_engine(
                       eos_ids=eos_ids, drafter=drafter, accept_fn=accept_fn, sharding=plan)
     if plan is None:
         return Engine(spec, params)
-    from m2r2_jax.sharding.params import param_shardings, placement_notes, put_global
+    from m2r2_jax.sharding.params import named_placement_notes, param_shardings, put_global
 
     by_axes = {k: v for k, v in params.items() if k not in ("exit_norm_scale", "draft_head")}  # others: replicated
     shardings = {k: (param_shardings(plan, v) if k in by_axes else jax.tree.map(lambda _: plan.replicated, v))
                  for k, v in params.items()}
-    notes = {f"{k}/{key}": line for k, v in by_axes.items() for key, line in placement_notes(plan, v).items()}
-    return Engine(spec, put_global(params, shardings), shardings, notes)
+    return Engine(spec, put_global(params, shardings), shardings, named_placement_notes(plan, by_axes))
 
 
 # --------------------------------------------------------------------------------------------

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 
 from m2r2_jax.errors import ConfigError
 from m2r2_jax.models.config import ModelConfig
-from m2r2_jax.sharding.params import pad_vocab_leaves, param_shardings, placement_notes
+from m2r2_jax.sharding.params import named_placement_notes, pad_vocab_leaves, param_shardings, placement_notes
 from m2r2_jax.sharding.plan import ShardingPlan
 
 GIB = 1024 ** 3
@@ -185,7 +185,6 @@ def check_generate(model_cfg: ModelConfig, plan: ShardingPlan, *, method: str = 
     compiled, seconds, exported = _lower_and_compile(
         jitted, _abstract(engine.params, shardings), *batch,
         jax.ShapeDtypeStruct((), jnp.float32, sharding=plan.replicated), platform=platform)
-    notes = {f"{k}/{key}": line for k, v in engine.params.items() for key, line in placement_notes(plan, v).items()}
-    return {"program": f"generate_{method}", "sharding": plan.describe(notes), "batch_size": batch_size,
-            "prompt_len": prompt_len, "max_new_tokens": max_new_tokens, **exported,
+    return {"program": f"generate_{method}", "sharding": plan.describe(named_placement_notes(plan, engine.params)),
+            "batch_size": batch_size, "prompt_len": prompt_len, "max_new_tokens": max_new_tokens, **exported,
             "compile_seconds": round(seconds, 2), **_memory(compiled, device_memory_bytes, headroom)}

@@ -183,6 +183,13 @@ def placement_notes(plan: ShardingPlan, tree, pad_vocab: bool = True) -> dict:
     return notes
 
 
+def named_placement_notes(plan: ShardingPlan, trees: Mapping[str, Any]) -> dict:
+    """`placement_notes` of several named trees ({"base": ..., "m2r2": ...}; None entries skipped),
+    each key prefixed with its tree's name: what an engine or a benchmark placed, for `describe`."""
+    return {f"{name}/{key}": line for name, tree in trees.items() if tree is not None
+            for key, line in placement_notes(plan, tree).items()}
+
+
 def _vocab_padding(keys: tuple, shape, sharding) -> Optional[tuple]:
     """(dimension, padded size) when the leaf at `keys` has a vocabulary dimension that
     `sharding` splits unevenly (a padded vocabulary of `param_shardings`), else None."""
