@@ -214,7 +214,7 @@ def _run_demo(out: Path, budget_name: str, budget: Budget, force: bool, skip_moe
     # every method on the loop "auto" gives it (the one the benchmarks above used): on CPU ar runs
     # unrolled, its fastest loop there, so no speedup is measured against a slower plain decoder
     report["layer_loop"] = {m: api.resolve_layer_loop(budget.layer_loop, m)
-                            for m in api.UNROLLABLE_METHODS + api.EXIT_METHODS}
+                            for m in api.METHODS}
     if budget_name == "full" and jax.default_backend() == "cpu" and cores_in_use() > 1:
         say("speculative: again pinned to one CPU core (m2r2 bench --cpu_cores 1, a fresh process)")
         report["speculative_one_core"] = _one_core_bench(out, dense_dir / "model", m2r2_dir / "m2r2", prompts,

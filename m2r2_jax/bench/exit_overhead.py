@@ -1,5 +1,6 @@
 """What early exit costs where no token exits: ar, m2r2_exit and distance_exit (both deciders) at
-tau 1.0, side by side, same prompts, greedy batch 1.
+tau 1.0, each exit method on both layer loops (a while loop over the stacked layers, and the
+unrolled loop with one `lax.cond` per layer), side by side, same prompts, greedy batch 1.
 
     python -m m2r2_jax.bench.exit_overhead --checkpoint ckpt/smollm2 \
         --m2r2 m2r2_jax/pretrained/smollm2-135m-instruct [--n_prompts 2 --max_new_tokens 64 --repeats 3]
@@ -44,14 +45,13 @@ def main(argv=None) -> dict:
     tok = load_tokenizer(tokenizer_path(a.checkpoint))
     prompts, _ = chat_prompt_ids(tok, "mt_bench", a.n_prompts)
     common = dict(max_new_tokens=a.max_new_tokens, eos_ids=list(tok.eos_ids))
-    runners = {
-        "ar": (api.build_engine("ar", cfg, params, layer_loop="auto", **common), 0.5),
-        "m2r2_exit": (api.build_engine("m2r2_exit", cfg, params, m2r2=(mcfg, m2r2_params), **common), 1.0),
-        "distance_exit_confidence": (api.build_engine("distance_exit", cfg, params, decider="confidence", **common),
-                                     1.0),
-        "distance_exit_saturation": (api.build_engine("distance_exit", cfg, params, decider="saturation", **common),
-                                     1.0),
-    }
+    runners = {"ar": (api.build_engine("ar", cfg, params, layer_loop="auto", **common), 0.5)}
+    exits = {"m2r2_exit": ("m2r2_exit", dict(m2r2=(mcfg, m2r2_params))),
+             "distance_exit_confidence": ("distance_exit", dict(decider="confidence")),
+             "distance_exit_saturation": ("distance_exit", dict(decider="saturation"))}
+    for name, (method, kw) in exits.items():
+        for loop in ("scan", "unrolled"):
+            runners[f"{name}/{loop}"] = (api.build_engine(method, cfg, params, layer_loop=loop, **kw, **common), 1.0)
     width = max(len(x) for x in prompts)
     timed = per_answer_timing_side_by_side(runners, prompts, width, a.repeats)
     ar_results, ar_tps = timed["ar"][0], float(np.mean(timed["ar"][1]))

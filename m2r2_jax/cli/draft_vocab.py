@@ -3,9 +3,11 @@
 Counts the tokens of a reference corpus with the checkpoint's tokenizer and writes the N most
 frequent ids as a draft vocabulary (m2r2_jax/decoding/draft_vocab.py), with the fraction of the
 corpus's tokens it covers. `m2r2 generate/bench --draft-vocab FILE` then draft from that subset:
-cheaper drafting where the LM head is a large part of a draft step, identical output. Text files
-are read as UTF-8; `embedded` is the training split of the embedded corpus. Use text like what the
-model will be asked to write, not the benchmark's own prompts.
+cheaper drafting where the LM head is a large part of a draft step, identical output; `m2r2
+distill --config.draft_vocab=FILE` trains the fast stream for that head. Text files are read as
+UTF-8, `*.jsonl` files by their rows' "text" field (`m2r2 distill-data` output); `embedded` is the
+training split of the embedded corpus. Use text like what the model will be asked to write, not
+the benchmark's own prompts.
 """
 
 from __future__ import annotations
@@ -13,7 +15,8 @@ from __future__ import annotations
 from absl import flags
 
 flags.DEFINE_string("checkpoint", None, "model directory (its tokenizer and vocabulary size are used)")
-flags.DEFINE_list("corpus", ["embedded"], "text files to count, or 'embedded' (the embedded corpus's train split)")
+flags.DEFINE_list("corpus", ["embedded"], "text files, JSONL files (their \"text\" fields) to count, or 'embedded' "
+                  "(the embedded corpus's train split)")
 flags.DEFINE_integer("size", None, "number of token ids to keep", lower_bound=1)
 flags.DEFINE_string("out", None, "output JSON file")
 flags.mark_flags_as_required(["checkpoint", "size", "out"])
@@ -24,6 +27,7 @@ def _texts(names):
     from pathlib import Path
 
     from m2r2_jax.data.corpus import embedded_split
+    from m2r2_jax.data.sources import jsonl_documents
     from m2r2_jax.errors import DataError
 
     for name in names:
@@ -31,6 +35,9 @@ def _texts(names):
             yield name, embedded_split("train")
             continue
         path = Path(name)
+        if path.suffix == ".jsonl":  # one-line errors of their own (missing file, bad row)
+            yield name, "\n".join(jsonl_documents([path], "text"))
+            continue
         try:
             yield name, path.read_text(encoding="utf-8")
         except FileNotFoundError:

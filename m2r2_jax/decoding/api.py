@@ -60,7 +60,6 @@ SELF_DRAFT_METHODS = ("m2r2_spec", "distance_spec")  # drafters that are part of
 DRAFT_LENGTHS = ("fixed", "dynamic")
 KV_MISSING = ("propagate", "deferred")
 LAYER_LOOPS = ("auto", "scan", "unrolled")
-UNROLLABLE_METHODS = ("ar",) + SPEC_METHODS  # the methods the unrolled layer loop serves
 DECIDERS = ("confidence", "saturation")
 
 
@@ -322,8 +321,7 @@ def build_engine(
     None: the whole vocabulary). Verification keeps the full head: output stays lossless.
     `layer_loop`: "scan" (a `lax.scan` over the stacked layers), "unrolled" (the base's and the
     draft model's layers unstacked, `transformer.unstack_layers`, and every layer loop unrolled:
-    faster one-token steps on CPU, longer compiles; ar and the speculative methods, no sharding
-    plan) or "auto" (`resolve_layer_loop`). Tokens are the same either way.
+    faster one-token steps on CPU, longer compiles; no sharding plan) or "auto" (`resolve_layer_loop`). Tokens are the same either way.
     `eos_ids`: stop a sequence after the first token that is any of these ids (`check_eos_ids`)."""
     if method not in METHODS:
         raise ConfigError(f"method={method!r} is invalid: expected one of {', '.join(METHODS)}")
@@ -539,21 +537,20 @@ def run_engine(engine: Engine, prompts: Sequence[Sequence[int]], *, seed: int = 
 
 def resolve_layer_loop(layer_loop: str, method: str, plan=None, backend: Optional[str] = None) -> str:
     """The layer loop an engine of `method` gets: "scan" or "unrolled". "auto" picks the unrolled
-    loop on the CPU backend for the methods it serves without a sharding plan, and the scan
-    everywhere else. Why: on CPU the unrolled loop decodes plain ar 1.15-1.80x faster on two cores
+    loop on the CPU backend for every method without a sharding plan, and the scan everywhere
+    else. Why: on CPU the unrolled loop decodes plain ar 1.15-1.80x faster on two cores
     (docs/RESULTS.md, "The layer loop"), so a benchmark against the scan's plain decoding would
     flatter every speculative method; on accelerators the scan keeps compile time flat in depth
-    and the trade is unmeasured. Raises ConfigError for an unknown loop, or "unrolled" where it
-    cannot serve."""
+    and the trade is unmeasured; the early-exit methods run their layers behind one `lax.cond`
+    each, so a token that exits skips the rest. Raises ConfigError for an unknown loop, or
+    "unrolled" with a sharding plan."""
     if layer_loop not in LAYER_LOOPS:
         raise ConfigError(f"layer_loop={layer_loop!r} is invalid: expected one of {', '.join(LAYER_LOOPS)}")
-    servable = method in UNROLLABLE_METHODS and plan is None
     if layer_loop == "auto":
         backend = jax.default_backend() if backend is None else backend
-        return "unrolled" if servable and backend == "cpu" else "scan"
-    if layer_loop == "unrolled" and not servable:
-        raise ConfigError(f"layer_loop=unrolled is for ar and the speculative methods without a sharding plan, "
-                          f"not {method}" + (" with a plan" if plan is not None else ""))
+        return "unrolled" if plan is None and backend == "cpu" else "scan"
+    if layer_loop == "unrolled" and plan is not None:
+        raise ConfigError(f"layer_loop=unrolled is for engines without a sharding plan, not {method} with a plan")
     return layer_loop
 
 

@@ -28,6 +28,7 @@ M2R2 fast steps in layer-equivalents. The k/v projections of "propagate" are not
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -37,7 +38,8 @@ from m2r2_jax.decoding.loop import GenState, commit, pending_positions, round_ke
 from m2r2_jax.decoding.sampling import Sampling, select
 from m2r2_jax.models.config import ModelConfig
 from m2r2_jax.models.layers import DecoderLayer
-from m2r2_jax.models.transformer import cache_length, cache_write, embed, head, layer_forward, layer_params
+from m2r2_jax.models.transformer import (cache_length, cache_write, embed, head, is_unstacked, layer_forward,
+                                         layer_params)
 
 
 # --------------------------------------------------------------------------------------------
@@ -75,20 +77,38 @@ def _layer_step(cfg: ModelConfig, base, l, x, pos, running, cache, win):
     return out[:, w:], cache, win, cost
 
 
+def _loop(lo: int, hi: int, carry, step, active, unrolled: bool):
+    """carry = step(i, carry) for i in [lo, hi), stopping once no row is active(carry).
+
+    Stacked layers: a `lax.while_loop` over a traced i (each layer's weights a dynamic slice of
+    the stack). Unstacked layers (`transformer.unstack_layers`): a Python loop with static i, each
+    iteration behind a `lax.cond` on the same test, so the layers a batch skips are not run and
+    the ones it runs read their own arrays, as the unrolled ar step does (on CPU the slices of the
+    stack cost 30-40% of a step; docs/RESULTS.md, "The layer loop")."""
+    if unrolled:
+        for i in range(lo, hi):
+            carry = jax.lax.cond(jnp.any(active(carry)), functools.partial(step, i), lambda c: c, carry)
+        return carry
+
+    def cond(c):
+        return (c[0] < hi) & jnp.any(active(c[1]))
+
+    def body(c):
+        return c[0] + 1, step(c[0], c[1])
+
+    return jax.lax.while_loop(cond, body, (jnp.asarray(lo, jnp.int32), carry))[1]
+
+
 def _slow_range(cfg: ModelConfig, base, lo: int, hi: int, x, pos, running, cache, win):
     """Slow layers [lo, hi) for running rows (others keep their state). Returns (x, cache, win, cost)."""
 
-    def cond(c):
-        return (c[0] < hi) & jnp.any(running)
-
-    def body(c):
-        l, x, cache, win, cost = c
+    def step(l, c):
+        x, cache, win, cost = c
         x_new, cache, win, dc = _layer_step(cfg, base, l, x, pos, running, cache, win)
-        return l + 1, jnp.where(running[:, None, None], x_new, x), cache, win, cost + dc
+        return jnp.where(running[:, None, None], x_new, x), cache, win, cost + dc
 
-    init = (jnp.asarray(lo, jnp.int32), x, cache, win, jnp.zeros(running.shape, jnp.float32))
-    _, x, cache, win, cost = jax.lax.while_loop(cond, body, init)
-    return x, cache, win, cost
+    init = (x, cache, win, jnp.zeros(running.shape, jnp.float32))
+    return _loop(lo, hi, init, step, lambda c: running, is_unstacked(base))
 
 
 def _insert(win, cache_len: int, n_layers: int, pos, need, state, prog):
@@ -125,7 +145,16 @@ def _propagate(cfg: ModelConfig, base, cache, state, pos, fill_fn, lo: int, any_
         wp = jnp.where(fill_fn(l), pos, s)[:, None]
         return cache_write(cache, l, wp, k, vv)
 
-    return jax.lax.cond(any_skipped, lambda c: jax.lax.fori_loop(lo, cfg.n_layers, body, c), lambda c: c, cache)
+    if is_unstacked(base):
+        def fill_all(cache):
+            for l in range(lo, cfg.n_layers):
+                cache = body(l, cache)
+            return cache
+    else:
+        def fill_all(cache):
+            return jax.lax.fori_loop(lo, cfg.n_layers, body, cache)
+
+    return jax.lax.cond(any_skipped, fill_all, lambda c: c, cache)
 
 
 # --------------------------------------------------------------------------------------------
@@ -161,11 +190,8 @@ class DistanceExit:
         def running_of(exited):
             return ~st.done & (~exited | forced)
 
-        def cond(c):
-            return (c["l"] < n) & jnp.any(running_of(c["exited"]))
-
-        def body(c):
-            l, x, exited = c["l"], c["x"], c["exited"]
+        def step(l, c):
+            x, exited = c["x"], c["exited"]
             running = running_of(exited)
             x_new, cache, win_, dc = _layer_step(cfg, base, l, x, pos, running, c["cache"], c["win"])
 
@@ -181,7 +207,6 @@ class DistanceExit:
             if self.decider != "confidence":
                 logits = jax.lax.cond(jnp.any(newly), exit_logits, lambda: c["logits"])
             return {
-                "l": l + 1,
                 "x": jnp.where(running[:, None, None], x_new, x),
                 "cache": cache,
                 "win": win_,
@@ -192,11 +217,11 @@ class DistanceExit:
                 "cost": c["cost"] + dc,
             }
 
-        c = jax.lax.while_loop(cond, body, {
-            "l": jnp.zeros((), jnp.int32), "x": x0, "cache": st.cache, "win": win, "exited": st.done,
+        c = _loop(0, n, {
+            "x": x0, "cache": st.cache, "win": win, "exited": st.done,
             "exit_layer": jnp.full((b,), n - 1, jnp.int32), "logits": jnp.zeros((b, v), jnp.float32),
             "h_exit": x0, "cost": jnp.zeros((b,), jnp.float32),
-        })
+        }, step, lambda c: running_of(c["exited"]), is_unstacked(base))
         cache, exit_layer = c["cache"], c["exit_layer"]
         skipped = ~st.done & (exit_layer < n - 1)
         if deferred:
@@ -245,11 +270,8 @@ class M2R2Exit:
         h_b, cache, win, cost = _slow_range(cfg, base, 0, bl, x0, pos, live, st.cache, win)
 
         # fast steps until the router fires
-        def cond(c):
-            return (c["i"] < k) & jnp.any(~c["fired"])
-
-        def body(c):
-            i, run = c["i"], ~c["fired"]
+        def step(i, c):
+            run = ~c["fired"]
             wp = jnp.where(run, pos, s)[:, None]
             # the step's exit-head logits come with it: the router reads them, an exiting token is
             # drawn from them (one vocabulary-wide head per step, not two)
@@ -257,18 +279,18 @@ class M2R2Exit:
             logits = logits[:, 0]
             newly = run & (jax.nn.sigmoid(el[:, 0].astype(jnp.float32)) >= tau)
             return {
-                "i": i + 1, "g": jnp.where(run[:, None, None], g, c["g"]), "cache": cache, "traj": traj,
+                "g": jnp.where(run[:, None, None], g, c["g"]), "cache": cache, "traj": traj,
                 "fired": c["fired"] | newly, "by_router": c["by_router"] | newly,
                 "exit_step": jnp.where(newly, i, c["exit_step"]),
                 "logits": jnp.where(newly[:, None], logits, c["logits"]),
                 "steps": c["steps"] + run.astype(jnp.float32),
             }
 
-        c = jax.lax.while_loop(cond, body, {
-            "i": jnp.zeros((), jnp.int32), "g": h_b, "cache": cache, "traj": init_traj(cfg, mcfg, b, 1),
+        c = _loop(0, k, {
+            "g": h_b, "cache": cache, "traj": init_traj(cfg, mcfg, b, 1),
             "fired": st.done, "by_router": jnp.zeros_like(st.done), "exit_step": jnp.full((b,), k - 1, jnp.int32),
             "logits": jnp.zeros((b, v), jnp.float32), "steps": jnp.zeros((b,), jnp.float32),
-        })
+        }, step, lambda c: ~c["fired"], is_unstacked(base))
         exited = live & c["by_router"]
 
         # tokens the router never released finish in the slow stream; a full window forces the

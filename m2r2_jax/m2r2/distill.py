@@ -11,6 +11,9 @@ Config (an ml_collections ConfigDict, see `configs/m2r2/`):
     train             the stream (or joint) stage: `m2r2_jax.training.config.train_section()`
     router_train      the router stage (same fields; used with "two_stage")
     data              corpus section (tokenizer "" = the base checkpoint's tokenizer)
+    draft_vocab       "" (the full vocabulary) or a `m2r2 draft-vocab` file: the stream stage's KL
+                      scores only those tokens, as the drafter given the same file will
+                      (`losses.distill_loss`'s `vocab`); the router stage keeps the full vocabulary
     teacher_cache     True: run the frozen base once over the whole (packed) training set before
                       the first step and keep what the fast steps need (`fast_stream.Teacher`:
                       h_b, the targets, the final state, keys and values at the visited layers);
@@ -65,6 +68,7 @@ def distill_config() -> ml_collections.ConfigDict:
     cfg.loss = ml_collections.ConfigDict(dataclasses.asdict(L.LossConfig()))
     cfg.schedule = "two_stage"
     cfg.teacher_cache = False
+    cfg.draft_vocab = ""
     cfg.seed = 0
     cfg.train = train_section()
     cfg.train.update(dict(steps=300, learning_rate=2e-3, warmup_steps=20, weight_decay=0.0, checkpoint_every=100))
@@ -85,6 +89,12 @@ def validate_distill(cfg, base_cfg=None) -> tuple:
         raise ConfigError(f"teacher_cache={cfg.teacher_cache!r} is invalid: expected True or False")
     if cfg.schedule not in SCHEDULES:
         raise ConfigError(f"schedule={cfg.schedule!r} is invalid: expected one of {', '.join(SCHEDULES)}")
+    draft_vocab = cfg.get("draft_vocab", "")
+    if not isinstance(draft_vocab, str):
+        raise ConfigError(f"draft_vocab={draft_vocab!r} is invalid: expected a draft vocabulary file or ''")
+    if draft_vocab and cfg.schedule == "joint":
+        raise ConfigError("draft_vocab is for schedule='two_stage': it trains the stream stage, and the joint "
+                          "stage's deciders learn from full-vocabulary logits")
     try:
         mcfg = m2r2_config_from(cfg.m2r2)
         lcfg = L.LossConfig(**cfg.loss.to_dict()).validate()
@@ -106,15 +116,20 @@ def validate_distill(cfg, base_cfg=None) -> tuple:
     return mcfg, lcfg
 
 
-def _loss_fn(base_cfg, mcfg, lcfg, seq_len, stage: str = "joint"):
+def _loss_fn(base_cfg, mcfg, lcfg, seq_len, stage: str = "joint", draft_ids=None):
     """The training loss. frozen = (base params, the other M2R2 params[, the teacher cache]); with a
-    cache each batch row ends in its example's index into it."""
+    cache each batch row ends in its example's index into it. `draft_ids`: the stream stage scores
+    that draft vocabulary only."""
+    from m2r2_jax.models.transformer import head_kernel_columns
 
     def loss_fn(trainable, frozen, batch, rng):
         base_params, rest, *cache = frozen
         teacher = _cached_teacher(cache[0], batch[:, -1]) if cache else None
+        vocab = None
+        if draft_ids is not None and stage == "stream":  # gathered in the step: 8k of the base's rows, no copy kept
+            vocab = {"ids": jnp.asarray(draft_ids), "kernel": head_kernel_columns(base_cfg, base_params, draft_ids)}
         loss, metrics = L.distill_loss(base_cfg, mcfg, lcfg, base_params, {**rest, **trainable}, batch[:, :seq_len],
-                                       rng, deciders=(stage != "stream"), teacher=teacher)
+                                       rng, deciders=(stage != "stream"), teacher=teacher, vocab=vocab)
         metrics = dict(metrics)
         per_step = metrics.pop("agreement_per_step")
         for i in range(per_step.shape[0]):
@@ -171,10 +186,10 @@ def _cached_teacher(cache: dict, index):
 
 
 def _stage(tcfg, workdir, base_cfg, mcfg, lcfg, base_params, m2r2_params, stage, data_iter, seq_len, seed, prefix,
-           plan=None, teacher_cache=None):
+           plan=None, teacher_cache=None, draft_ids=None):
     trainable, rest = L.split_params(m2r2_params, stage)
     frozen = (base_params, rest) if teacher_cache is None else (base_params, rest, teacher_cache)
-    result = train(tcfg, workdir, trainable, frozen, _loss_fn(base_cfg, mcfg, lcfg, seq_len, stage),
+    result = train(tcfg, workdir, trainable, frozen, _loss_fn(base_cfg, mcfg, lcfg, seq_len, stage, draft_ids),
                    data_iter,
                    rng=jax.random.key(seed), metrics_prefix=prefix,
                    tokens_per_batch=lambda b: int(np.prod(np.shape(b)[:1])) * seq_len, plan=plan)
@@ -213,6 +228,11 @@ def distill(cfg, workdir, plan=None) -> dict:
     if not tok_file:
         raise CheckpointError(f"{cfg.base_checkpoint} has no tokenizer; set --config.data.tokenizer=PATH")
     tok = load_tokenizer(tok_file)
+    draft_ids = None
+    if cfg.get("draft_vocab", ""):
+        from m2r2_jax.decoding import draft_vocab as DV
+
+        draft_ids = DV.load(cfg.draft_vocab, base_cfg.vocab_size)
     base_cfg, base_params = load_model(cfg.base_checkpoint, base_cfg)
     fingerprint = params_fingerprint(base_cfg, base_params)
     workdir.mkdir(parents=True, exist_ok=True)
@@ -221,6 +241,8 @@ def distill(cfg, workdir, plan=None) -> dict:
     m2r2_params = init_m2r2_params(base_cfg, mcfg, jax.random.key(cfg.seed))
     summary = {"base_checkpoint": str(Path(cfg.base_checkpoint).absolute()), "base_fingerprint": fingerprint,
                "m2r2": mcfg.to_dict(), "schedule": cfg.schedule}
+    if draft_ids is not None:
+        summary["draft_vocab"] = {"file": str(Path(cfg.draft_vocab).absolute()), "size": int(draft_ids.size)}
     first = "joint" if cfg.schedule == "joint" else "stream"
     cache = None
     if cfg.teacher_cache:
@@ -237,7 +259,7 @@ def distill(cfg, workdir, plan=None) -> dict:
 
     m2r2_params, res = _stage(cfg.train, workdir / "stream", base_cfg, mcfg, lcfg, base_params, m2r2_params, first,
                               data(cfg.train.batch_size, cfg.data.seed), seq_len, cfg.seed, f"distill_{first}", plan,
-                              cache)
+                              cache, draft_ids)
     summary[first] = _summarize(res)
     if res.preempted:
         summary["preempted"] = True

@@ -273,11 +273,11 @@ def _fast_layer(base: ModelConfig, mcfg: M2R2Config, base_params, sp, j, g, posi
 
 
 def exit_head_logits(base: ModelConfig, mcfg: M2R2Config, base_params, m2r2_params, i, g,
-                     vocab: Optional[dict] = None) -> jax.Array:
+                     vocab: Optional[dict] = None, compact: bool = False) -> jax.Array:
     """Frozen final norm + LM head on fast state g_i (with the step's learned norm scale);
-    `vocab`: over a token subset only (`models.transformer.head`)."""
+    `vocab`: over a token subset only, `compact`: the subset's own logits (`models.transformer.head`)."""
     scale = m2r2_params["exit_norm"]["scale"][i] if "exit_norm" in m2r2_params else None
-    return T.head(base, base_params, g, norm_scale=scale, vocab=vocab)
+    return T.head(base, base_params, g, norm_scale=scale, vocab=vocab, compact=compact)
 
 
 def init_traj(base: ModelConfig, mcfg: M2R2Config, batch: int, length: int) -> dict:
@@ -315,7 +315,8 @@ def fast_step(base: ModelConfig, mcfg: M2R2Config, base_params, m2r2_params, i, 
     Returns (g_i, cache, traj, exit_logit [B, T], logits [B, T, V]): the router's exit logit and the
     step's exit-head logits, which the router reads (max probability, entropy) and an exiting token
     is drawn from; returned so that no caller pays for the vocabulary-wide head twice."""
-    j = jnp.asarray(visited_layers(base, mcfg))[i]
+    # a static step visits a static layer: unstacked layers are indexed by Python ints only
+    j = int(visited_layers(base, mcfg)[i]) if isinstance(i, int) else jnp.asarray(visited_layers(base, mcfg))[i]
     g_new, cache, _ = _fast_layer(base, mcfg, base_params, _step_params(m2r2_params, i), j, g, positions, cache, False)
     logits = exit_head_logits(base, mcfg, base_params, m2r2_params, i, g_new)
     z = traj["z"].at[i].set(router_project(base, mcfg, m2r2_params, i, g_new))

@@ -96,7 +96,8 @@ def kl_positions(lcfg: LossConfig, length: int, rng) -> Optional[jax.Array]:
 
 
 def distill_loss(base: ModelConfig, mcfg: M2R2Config, lcfg: LossConfig, base_params, m2r2_params, tokens,
-                 rng=None, *, deciders: bool = True, teacher: Optional[F.Teacher] = None):
+                 rng=None, *, deciders: bool = True, teacher: Optional[F.Teacher] = None,
+                 vocab: Optional[dict] = None):
     """Returns (loss, metrics). metrics hold per-step agreement/KL/alignment as [K] arrays.
 
     The fast stream runs over every position (its attention needs them all) and the alignment
@@ -108,7 +109,18 @@ def distill_loss(base: ModelConfig, mcfg: M2R2Config, lcfg: LossConfig, base_par
     `teacher`: the frozen base's outputs for `tokens` computed beforehand (`fast_stream.Teacher`,
     e.g. once for a whole data set: `distill`'s `teacher_cache`); the loss is the same as when
     they are computed here. Routing distillation (MoE bases) needs every layer's routing and
-    always runs the base here."""
+    always runs the base here.
+
+    `vocab` {"ids", "kernel"} (`models.transformer.head_kernel_columns`): the draft vocabulary the
+    drafter will score (`m2r2 draft-vocab`). Both heads then score only those tokens: the KL is
+    between the two distributions renormalised over the subset, which is the draft head's own
+    distribution, and the agreement metrics compare argmaxes within the subset (they exceed
+    gamma-1 acceptance by at most the share of positions whose full-vocabulary argmax falls
+    outside it). At Gemma 3's 262,144 tokens and an 8,192-token subset the heads' work drops
+    32x. Deciders learn from full-vocabulary logits (m2r2_exit's), so they cannot be on here."""
+    if vocab is not None and deciders:
+        raise ConfigError("a draft vocabulary trains the fast stream only: the deciders (router, step MLP) "
+                          "learn from full-vocabulary logits, in their own stage")
     k = mcfg.steps(base)
     base_params = jax.lax.stop_gradient(base_params)  # frozen: no gradient path into the base
     tf = None
@@ -128,7 +140,8 @@ def distill_loss(base: ModelConfig, mcfg: M2R2Config, lcfg: LossConfig, base_par
         return x if idx is None else jnp.take(x, idx, axis=-2)
 
     temp = lcfg.temperature
-    slow_logits = jax.lax.stop_gradient(T.head(base, base_params, pick(teacher.final)))
+    compact = vocab is not None
+    slow_logits = jax.lax.stop_gradient(T.head(base, base_params, pick(teacher.final), vocab=vocab, compact=compact))
     logp_slow = jax.nn.log_softmax(slow_logits / temp, axis=-1)
     p_slow = jnp.exp(logp_slow)
     top_slow = jnp.argmax(slow_logits, axis=-1)
@@ -138,7 +151,7 @@ def distill_loss(base: ModelConfig, mcfg: M2R2Config, lcfg: LossConfig, base_par
 
     def per_step(args):
         i, g, gp = args
-        lg = F.exit_head_logits(base, mcfg, base_params, m2r2_params, i, g)
+        lg = F.exit_head_logits(base, mcfg, base_params, m2r2_params, i, g, vocab=vocab, compact=compact)
         kl = jnp.mean(jnp.sum(p_slow * (logp_slow - jax.nn.log_softmax(lg / temp, axis=-1)), -1)) * temp**2
         label = (jnp.argmax(lg, -1) == top_slow).astype(jnp.float32)
         scalars = jax.lax.stop_gradient(step_scalars(lg, g, gp)) if deciders else None
@@ -147,7 +160,8 @@ def distill_loss(base: ModelConfig, mcfg: M2R2Config, lcfg: LossConfig, base_par
     # Rematerialised when large: the backward pass then recomputes one step's [B, n, V] logits
     # instead of keeping all K of them (at a 128k vocabulary they dominate the step's memory);
     # when they fit, keeping them saves a third of the heads' work.
-    if k * states.shape[1] * states.shape[2] * base.vocab_size * 4 > REMAT_LOGITS_BYTES:
+    n_vocab = base.vocab_size if vocab is None else vocab["ids"].shape[0]
+    if k * states.shape[1] * states.shape[2] * n_vocab * 4 > REMAT_LOGITS_BYTES:
         per_step = jax.checkpoint(per_step)
     kl, labels, scalars = jax.lax.map(per_step, (jnp.arange(k), states, prevs))
     w = _step_weights(k, lcfg.step_weights)

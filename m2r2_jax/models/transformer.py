@@ -183,14 +183,16 @@ def head_kernel_columns(cfg: ModelConfig, params: Params, ids) -> jax.Array:
 
 
 def head(cfg: ModelConfig, params: Params, h: jax.Array, norm_scale: Optional[jax.Array] = None,
-         vocab: Optional[dict] = None) -> jax.Array:
+         vocab: Optional[dict] = None, compact: bool = False) -> jax.Array:
     """Final norm + LM head (the exit head). `norm_scale` optionally multiplies the frozen norm
     weight (learned per-exit scales of the M2R2 exit heads). Logits in float32.
 
     `vocab` {"ids": [n], "kernel": [d, n] (`head_kernel_columns`)}: compute the logits of those n
     tokens only and give every other token MASKED_LOGIT (still [..., V]), so sampling, argmax and
     softmax see a distribution over the subset. For drafters: the matmul over V is most of a
-    shallow draft step when V is large, and a draft outside the subset is simply never proposed."""
+    shallow draft step when V is large, and a draft outside the subset is simply never proposed.
+    `compact` (with `vocab`): return the subset's [..., n] logits themselves, in `vocab["ids"]`
+    order (distillation scores the draft head this way without V-wide arrays)."""
     scale = params["final_norm"]["scale"]
     if norm_scale is not None and cfg.norm_unit_offset:
         # zero-centred weight w: the norm multiplies by (1 + w), and the exit scale multiplies that
@@ -201,6 +203,8 @@ def head(cfg: ModelConfig, params: Params, h: jax.Array, norm_scale: Optional[ja
         hn = norm_module(cfg).apply({"params": {"scale": scale}}, h)
     if vocab is not None:
         sub = _softcap(cfg, (hn @ vocab["kernel"].astype(hn.dtype)).astype(jnp.float32))
+        if compact:
+            return sub
         full = jnp.full(sub.shape[:-1] + (cfg.vocab_size,), MASKED_LOGIT, jnp.float32)
         return constrain(full.at[..., vocab["ids"]].set(sub), LOGITS_AXES)
     if cfg.tie_embeddings:

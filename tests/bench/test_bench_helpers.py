@@ -158,7 +158,7 @@ def test_budget_layer_loops():
 
     assert BUDGETS["full"].layer_loop == "auto" and BUDGETS["tiny"].layer_loop == "scan"
     for b in BUDGETS.values():
-        for m in api.UNROLLABLE_METHODS + api.EXIT_METHODS:
+        for m in api.METHODS:
             assert api.resolve_layer_loop(b.layer_loop, m) in ("scan", "unrolled")
 
 

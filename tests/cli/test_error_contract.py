@@ -162,8 +162,6 @@ CASES = [
      "--max-new-tokens 2 --method m2r2_spec --m2r2 {m2r2_garbage_base}", ["base.json"], None),
     ("generate-fingerprint-garbage", "generate --checkpoint {garbage_fingerprint} --prompts {prompts} "
      "--out {out}.jsonl --max-new-tokens 2 --method m2r2_spec --m2r2 {m2r2}", ["fingerprint.json"], None),
-    ("generate-unrolled-exit", "generate --checkpoint {base} --prompts {prompts} --out {out}.jsonl "
-     "--max-new-tokens 2 --method m2r2_exit --layer-loop unrolled", ["layer_loop=unrolled", "m2r2_exit"], None),
     ("generate-layer-loop-unknown", "generate --checkpoint {base} --prompts {prompts} --out {out}.jsonl "
      "--layer_loop spiral", ["--layer_loop"], None),
     ("generate-out-in-file", "generate --checkpoint {base} --prompts {prompts} --out {file}/g.jsonl "

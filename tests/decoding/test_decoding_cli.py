@@ -114,6 +114,20 @@ def test_cli_draft_vocab_then_generate_with_it_reproduces_greedy_ar(tmp_path):
     rec = json.loads(vocab_file.read_text())
     assert rec["size"] == 64 and rec["vocab_size"] == VOCAB and rec["source"] == "embedded"
     assert 0.3 < rec["coverage"] < 1.0 and "of the" in r.stdout
+    # a JSONL corpus (`m2r2 distill-data` rows) counts its rows' "text" fields: as the same text would
+    from m2r2_jax.data.corpus import embedded_split
+
+    texts = [embedded_split("train")[:3000], embedded_split("train")[3000:5000]]
+    (tmp_path / "rows.jsonl").write_text("".join(json.dumps({"text": t, "answer_tokens": 1}) + "\n" for t in texts))
+    (tmp_path / "rows.txt").write_text("\n".join(texts))
+    got = {}
+    for name in ("rows.jsonl", "rows.txt"):
+        r = run_m2r2(["draft-vocab", f"--checkpoint={base}", "--size=64", f"--corpus={tmp_path / name}",
+                      f"--out={tmp_path / name}.vocab"])
+        assert r.returncode == 0, r.stderr[-2000:]
+        got[name] = json.loads((tmp_path / f"{name}.vocab").read_text())
+    assert got["rows.jsonl"]["ids"] == got["rows.txt"]["ids"]
+    assert got["rows.jsonl"]["counted_tokens"] == got["rows.txt"]["counted_tokens"]
     ids = DV.load(vocab_file, VOCAB)
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("".join(json.dumps({"tokens": p}) + "\n" for p in PROMPTS))

@@ -24,11 +24,11 @@ def m2r2_params():
     return random_m2r2(cfg, MCFG, 3, adapter_scale=0.2)
 
 
-def engine(method, kv_missing="propagate", decider="confidence", window=2):
+def engine(method, kv_missing="propagate", decider="confidence", window=2, layer_loop="scan"):
     cfg, params = model("llama")
     kw = dict(m2r2=(MCFG, m2r2_params())) if method == "m2r2_exit" else dict(decider=decider)
     eng = api.build_engine(method, cfg, params, max_new_tokens=MAX_NEW, kv_missing=kv_missing,
-                           deferred_window=window, **kw)
+                           deferred_window=window, layer_loop=layer_loop, **kw)
     return cfg, params, eng
 
 
@@ -121,3 +121,20 @@ def test_deferred_kv_is_exact_once_completed(method, decider, tau):
             np.testing.assert_allclose(np.asarray(state.cache[name][:, i, :, done]), np.asarray(ref[name][:, i, :, done]),
                                        atol=2e-5, rtol=2e-5)
     assert exited > 0  # some tokens really left early, so deferral and flushes were exercised
+
+
+@pytest.mark.parametrize("method,decider,kv_missing,tau", [
+    ("distance_exit", "confidence", "propagate", 0.3), ("distance_exit", "saturation", "deferred", 0.75),
+    ("m2r2_exit", "confidence", "propagate", 0.52), ("m2r2_exit", "confidence", "deferred", 0.55)])
+def test_unrolled_early_exit_is_the_while_loop_early_exit(method, decider, kv_missing, tau):
+    """layer_loop="unrolled" runs each layer (and fast step) behind its own lax.cond instead of a
+    while loop over the stack: the same tokens, exits, compute and K/V cache."""
+    got, got_state = run(engine(method, kv_missing, decider, layer_loop="unrolled")[2], PROMPTS, tau=tau)
+    want, want_state = run(engine(method, kv_missing, decider)[2], PROMPTS, tau=tau)
+    assert sum(r.early_exits for r in want) > 0 and sum(len(r.tokens) - 1 - r.early_exits for r in want) > 0
+    for a, b in zip(got, want):
+        assert (a.tokens, a.early_exits) == (b.tokens, b.early_exits)
+        assert (a.target_layers, a.draft_layers) == pytest.approx((b.target_layers, b.draft_layers))
+    for name in ("k", "v"):
+        np.testing.assert_allclose(np.asarray(got_state.cache[name]), np.asarray(want_state.cache[name]),
+                                   atol=2e-5, rtol=2e-5)

@@ -77,22 +77,18 @@ def test_layer_loop_is_validated():
     cfg, params = model("llama")
     with pytest.raises(ConfigError, match="layer_loop='unrolled_twice' is invalid"):
         api.build_engine("ar", cfg, params, max_new_tokens=4, layer_loop="unrolled_twice")
-    for method in ("m2r2_exit", "distance_exit"):
-        with pytest.raises(ConfigError, match=f"not {method}"):
-            api.build_engine(method, cfg, params, max_new_tokens=4, layer_loop="unrolled")
-    with pytest.raises(ConfigError, match="with a plan"):
+    with pytest.raises(ConfigError, match="not ar with a plan"):
         api.resolve_layer_loop("unrolled", "ar", plan=object())
 
 
 def test_auto_layer_loop_picks_unrolled_where_it_serves_on_cpu():
     for m in api.METHODS:
-        want = "unrolled" if m in api.UNROLLABLE_METHODS else "scan"
-        assert api.resolve_layer_loop("auto", m) == want == api.resolve_layer_loop("auto", m, backend="cpu")
+        assert api.resolve_layer_loop("auto", m) == "unrolled" == api.resolve_layer_loop("auto", m, backend="cpu")
         assert api.resolve_layer_loop("auto", m, plan=object()) == "scan"  # sharded: the scan
         for backend in ("gpu", "tpu"):
             assert api.resolve_layer_loop("auto", m, backend=backend) == "scan"
         assert api.resolve_layer_loop("scan", m) == "scan"
     cfg, params = model("llama")
     assert T.is_unstacked(api.build_engine("ar", cfg, params, max_new_tokens=4, layer_loop="auto").params["base"])
-    assert not T.is_unstacked(api.build_engine("m2r2_exit", cfg, params, max_new_tokens=4,
-                                               layer_loop="auto").params["base"])
+    assert T.is_unstacked(api.build_engine("m2r2_exit", cfg, params, max_new_tokens=4,
+                                           layer_loop="auto").params["base"])

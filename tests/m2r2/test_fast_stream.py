@@ -280,3 +280,41 @@ def test_kl_fraction_scores_a_fresh_subset_of_positions():
     one = [float(L.distill_loss(base, mcfg, L.LossConfig(kl_fraction=0.125), bp, mp, toks, jax.random.key(s))[0])
            for s in range(4)]
     assert all(np.isfinite(one)) and len(set(one)) > 1 and float(full) not in one
+
+
+def test_draft_vocab_loss_is_the_draft_heads_own_distillation():
+    """With a draft vocabulary both heads score only the subset: the KL is the one between the two
+    renormalised distributions, the whole vocabulary as the subset gives the plain loss back, and
+    the adapters learn through it. Deciders cannot train on it."""
+    from m2r2_jax.m2r2 import losses as L
+
+    base, bp, mcfg, mp = _setup("llama")
+    toks = jax.random.randint(jax.random.key(7), (2, 8), 0, base.vocab_size)
+    lc = L.LossConfig(lambda_align=0.0)
+
+    def vocab(ids):
+        ids = jnp.asarray(ids, jnp.int32)
+        return {"ids": ids, "kernel": T.head_kernel_columns(base, bp, ids)}
+
+    plain, pm = L.distill_loss(base, mcfg, lc, bp, mp, toks, deciders=False)
+    whole, wm = L.distill_loss(base, mcfg, lc, bp, mp, toks, deciders=False, vocab=vocab(np.arange(base.vocab_size)))
+    np.testing.assert_allclose(whole, plain, rtol=1e-5)
+    np.testing.assert_allclose(wm["agreement_per_step"], pm["agreement_per_step"])
+
+    ids = np.arange(3, base.vocab_size, 5)  # every fifth token
+    loss, m = L.distill_loss(base, mcfg, lc, bp, mp, toks, deciders=False, vocab=vocab(ids))
+    teacher = F.teacher_outputs(base, mcfg, bp, toks)
+    states = F.fast_train_states(base, mcfg, bp, mp, teacher)
+    slow = jax.nn.log_softmax(T.head(base, bp, teacher.final)[..., ids], -1)
+    kls, agree = [], []
+    for i in range(mcfg.steps(base)):
+        fast = jax.nn.log_softmax(F.exit_head_logits(base, mcfg, bp, mp, i, states[i])[..., ids], -1)
+        kls.append(jnp.mean(jnp.sum(jnp.exp(slow) * (slow - fast), -1)))
+        agree.append(jnp.mean(jnp.argmax(fast, -1) == jnp.argmax(slow, -1)))
+    np.testing.assert_allclose(loss, np.mean(kls), rtol=1e-5)  # uniform step weights
+    np.testing.assert_allclose(m["agreement_per_step"], agree, atol=1e-6)
+    assert not np.isclose(float(loss), float(plain), rtol=1e-2)  # the subset's KL is not the full one
+    _assert_adapters_learn_it(lambda p: L.distill_loss(base, mcfg, lc, bp, p, toks, deciders=False,
+                                                       vocab=vocab(ids))[0], mp)
+    with pytest.raises(ConfigError, match="deciders"):
+        L.distill_loss(base, mcfg, lc, bp, mp, toks, vocab=vocab(ids))
