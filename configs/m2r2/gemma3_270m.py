@@ -34,7 +34,7 @@ def get_config():
     cfg.loss.update(dict(kl_fraction=0.25, step_weights="increasing"))
     cfg.teacher_cache = True
     cfg.draft_vocab = "data/gemma3_draft_vocab.json"
-    cfg.train.update(dict(steps=300, batch_size=8, learning_rate=2e-3, warmup_steps=20, checkpoint_every=50))
+    cfg.train.update(dict(steps=600, batch_size=8, learning_rate=2e-3, warmup_steps=20, checkpoint_every=100))
     cfg.router_train.update(dict(steps=30, batch_size=8, learning_rate=3e-3, warmup_steps=3, checkpoint_every=30))
     cfg.data.update(dict(source="jsonl", paths=("data/gemma3_answers.jsonl",), text_field="text", seq_len=128))
     return cfg

@@ -4,7 +4,9 @@ Two runners, each one decoding round = one token per sequence, inside the generi
 
 - `M2R2Exit` ("m2r2_exit"): slow layers 0..b-1, then fast steps until the router fires
   (sigmoid(exit_logit) >= tau) at step i -- the token comes from the exit head at step i -- or until
-  step K; a token that never fires finishes in the slow stream (layers b..N-1 from h_b).
+  step K; a token that never fires finishes in the slow stream (layers b..N-1 from h_b). With a
+  router that reads the state only (`router_features="state"`) the exit head runs only in a step
+  where a token leaves.
 - `DistanceExit` ("distance_exit"): slow layers with the exit head after each one and a decider:
   "confidence" (max softmax probability >= tau) or "saturation" (cosine of consecutive states >=
   tau); the token leaves at the first layer that fires (the last layer always does).
@@ -254,7 +256,7 @@ class M2R2Exit:
         return (draft_cost_layers(self.cfg, self.mcfg) - self.mcfg.branch_layer) / k
 
     def round(self, sampling: Sampling, max_new: int, eos_ids: tuple[int, ...], params, tau, st: GenState) -> GenState:
-        from m2r2_jax.m2r2.fast_stream import fast_step, init_traj, visited_layers
+        from m2r2_jax.m2r2.fast_stream import exit_head_logits, fast_step, init_traj, visited_layers
 
         cfg, mcfg, base, m2 = self.cfg, self.mcfg, params["base"], params["m2r2"]
         n, s, bl, k = cfg.n_layers, cache_length(st.cache), mcfg.branch_layer, mcfg.steps(cfg)
@@ -273,11 +275,16 @@ class M2R2Exit:
         def step(i, c):
             run = ~c["fired"]
             wp = jnp.where(run, pos, s)[:, None]
-            # the step's exit-head logits come with it: the router reads them, an exiting token is
-            # drawn from them (one vocabulary-wide head per step, not two)
+            # a "logits" router's step brings its exit-head logits: the router reads them, an exiting
+            # token is drawn from them (one vocabulary-wide head per step, not two); a "state"
+            # router's does not, and the head runs only in a step where some token leaves
             g, cache, traj, el, logits = fast_step(cfg, mcfg, base, m2, i, c["g"], wp, c["cache"], c["traj"])
-            logits = logits[:, 0]
             newly = run & (jax.nn.sigmoid(el[:, 0].astype(jnp.float32)) >= tau)
+            if logits is None:
+                logits = jax.lax.cond(jnp.any(newly), lambda: exit_head_logits(cfg, mcfg, base, m2, i, g)[:, 0],
+                                      lambda: c["logits"])
+            else:
+                logits = logits[:, 0]
             return {
                 "g": jnp.where(run[:, None, None], g, c["g"]), "cache": cache, "traj": traj,
                 "fired": c["fired"] | newly, "by_router": c["by_router"] | newly,

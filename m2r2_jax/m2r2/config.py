@@ -14,6 +14,7 @@ SCHEDULES = ("strided", "consecutive")
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 ATTN_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 MOE_FAST_MLP = ("experts", "lowrank", "none")
+ROUTER_FEATURES = ("logits", "state")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -27,6 +28,10 @@ class M2R2Config:
     lora_targets: tuple = LORA_TARGETS
     router_dim: int = 64
     router_hidden: int = 64
+    # what the router reads besides its trajectory: "logits" (the step's exit-head distribution:
+    # max probability and entropy, plus the velocity) or "state" (the velocity only, so an early
+    # exit computes the vocabulary-wide head only for tokens that leave: see router.py)
+    router_features: str = "logits"
     exit_norm: bool = True  # learned per-step scale on the frozen final norm
     moe_fast_mlp: str = "experts"  # fast MLP at MoE layers: routed experts | low-rank dense | none
     moe_lowrank_dim: int = 64
@@ -83,6 +88,8 @@ class M2R2Config:
         for name in ("router_dim", "router_hidden", "moe_lowrank_dim"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) <= 0:
                 fail(name, getattr(self, name), "expected a positive integer")
+        if self.router_features not in ROUTER_FEATURES:
+            fail("router_features", self.router_features, f"expected one of {', '.join(ROUTER_FEATURES)}")
         if self.moe_fast_mlp not in MOE_FAST_MLP:
             fail("moe_fast_mlp", self.moe_fast_mlp, f"expected one of {', '.join(MOE_FAST_MLP)}")
         if self.kernel_implementation not in ("auto", "xla", "pallas", "interpret"):

@@ -52,7 +52,7 @@ import numpy as np
 
 from m2r2_jax.kernels import residual_rate_update
 from m2r2_jax.m2r2.config import M2R2Config
-from m2r2_jax.m2r2.router import ARLARouter, StepMLP, step_scalars
+from m2r2_jax.m2r2.router import N_SCALARS, ARLARouter, StepMLP, step_scalars
 from m2r2_jax.models import transformer as T
 from m2r2_jax.models.config import ModelConfig
 from m2r2_jax.models.layers import DecoderLayer, attend, attention_mask, attention_options, layer_window, rms_norm
@@ -132,7 +132,7 @@ def _init_m2r2_params(base: ModelConfig, mcfg: M2R2Config, rng: jax.Array) -> di
         "rates": {"attn": jnp.broadcast_to(covered, (k, d)), "mlp": jnp.broadcast_to(covered, (k, d))},
     }
     g = jnp.zeros((1, 1, d))
-    sc = jnp.zeros((1, 1, 3))
+    sc = jnp.zeros((1, 1, N_SCALARS[mcfg.router_features]))
     params["router"] = ARLARouter(k, mcfg.router_dim, mcfg.router_hidden, base.rms_eps).init(next(rngs), g, sc)["params"]
     params["step_mlp"] = StepMLP(k, mcfg.router_hidden, base.rms_eps).init(next(rngs), g, 0)["params"]
     if mcfg.exit_norm:
@@ -312,15 +312,19 @@ def branch(base: ModelConfig, mcfg: M2R2Config, base_params, tokens, positions, 
 
 def fast_step(base: ModelConfig, mcfg: M2R2Config, base_params, m2r2_params, i, g, positions, cache, traj):
     """Decode-mode fast step i (may be traced: for `lax.while_loop` early exit).
-    Returns (g_i, cache, traj, exit_logit [B, T], logits [B, T, V]): the router's exit logit and the
-    step's exit-head logits, which the router reads (max probability, entropy) and an exiting token
-    is drawn from; returned so that no caller pays for the vocabulary-wide head twice."""
+    Returns (g_i, cache, traj, exit_logit [B, T], logits [B, T, V] or None): the router's exit logit
+    and the step's exit-head logits, which a "logits" router reads (max probability, entropy) and an
+    exiting token is drawn from; returned so that no caller pays for the vocabulary-wide head twice.
+    A "state" router reads no head: logits is None, and the caller computes the head where a token
+    leaves."""
     # a static step visits a static layer: unstacked layers are indexed by Python ints only
     j = int(visited_layers(base, mcfg)[i]) if isinstance(i, int) else jnp.asarray(visited_layers(base, mcfg))[i]
     g_new, cache, _ = _fast_layer(base, mcfg, base_params, _step_params(m2r2_params, i), j, g, positions, cache, False)
-    logits = exit_head_logits(base, mcfg, base_params, m2r2_params, i, g_new)
+    logits = None
+    if mcfg.router_features == "logits":
+        logits = exit_head_logits(base, mcfg, base_params, m2r2_params, i, g_new)
     z = traj["z"].at[i].set(router_project(base, mcfg, m2r2_params, i, g_new))
-    exit_logit = router_score(base, mcfg, m2r2_params, z, i, step_scalars(logits, g_new, g))
+    exit_logit = router_score(base, mcfg, m2r2_params, z, i, step_scalars(mcfg.router_features, logits, g_new, g))
     return g_new, cache, {"z": z}, exit_logit, logits
 
 
@@ -376,7 +380,7 @@ def fast_forward(base: ModelConfig, mcfg: M2R2Config, base_params, m2r2_params, 
     g, cache, states, z, rl, g_prev = _run_steps(base, mcfg, base_params, m2r2_params, g0, positions, cache, False, collect)
     logits = exit_head_logits(base, mcfg, base_params, m2r2_params, k - 1, g, vocab)
     if not collect:
-        last = router_score(base, mcfg, m2r2_params, z, k - 1, step_scalars(logits, g, g_prev))
+        last = router_score(base, mcfg, m2r2_params, z, k - 1, step_scalars(mcfg.router_features, logits, g, g_prev))
         exit_logits = jnp.zeros((k,) + last.shape, last.dtype).at[k - 1].set(last)
         return FastOutput(logits, cache, exit_logits, moe_router_logits=rl, branch_state=g0)
     step_logits, exit_logits = _per_step_heads(base, mcfg, base_params, m2r2_params, g0, states, z)
@@ -404,7 +408,7 @@ def _per_step_heads(base, mcfg, base_params, m2r2_params, g0, states, z):
     def one(args):
         i, g, gp = args
         lg = exit_head_logits(base, mcfg, base_params, m2r2_params, i, g)
-        return lg, router_score(base, mcfg, m2r2_params, z, i, step_scalars(lg, g, gp))
+        return lg, router_score(base, mcfg, m2r2_params, z, i, step_scalars(mcfg.router_features, lg, g, gp))
 
     return jax.lax.map(one, (jnp.arange(k), states, prevs))
 

@@ -154,7 +154,7 @@ def distill_loss(base: ModelConfig, mcfg: M2R2Config, lcfg: LossConfig, base_par
         lg = F.exit_head_logits(base, mcfg, base_params, m2r2_params, i, g, vocab=vocab, compact=compact)
         kl = jnp.mean(jnp.sum(p_slow * (logp_slow - jax.nn.log_softmax(lg / temp, axis=-1)), -1)) * temp**2
         label = (jnp.argmax(lg, -1) == top_slow).astype(jnp.float32)
-        scalars = jax.lax.stop_gradient(step_scalars(lg, g, gp)) if deciders else None
+        scalars = jax.lax.stop_gradient(step_scalars(mcfg.router_features, lg, g, gp)) if deciders else None
         return kl, label, scalars
 
     # Rematerialised when large: the backward pass then recomputes one step's [B, n, V] logits

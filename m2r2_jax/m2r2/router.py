@@ -1,11 +1,16 @@
 """Exit deciders: the M2R2 router (ARLA) and the distance-based baselines behind one interface.
 
 ARLA ("accelerated-residual latent attention"): at fast step i the router sees low-dimensional
-projections z_1..z_i of the fast states (z = P Norm(g) + step embedding) and three cheap scalars of
-step i (max softmax probability, normalised entropy, relative velocity |g_i - g_{i-1}| / |g_{i-1}|).
-One causal single-head attention of z_i over z_1..z_i, then a small MLP, gives the logit of
+projections z_1..z_i of the fast states (z = P Norm(g) + step embedding) and cheap scalars of step
+i: with `router_features="logits"` the max softmax probability and normalised entropy of the
+step's exit head, and the relative velocity |g_i - g_{i-1}| / |g_{i-1}|; with "state" the velocity
+alone. One causal single-head attention of z_i over z_1..z_i, then a small MLP, gives the logit of
 "exiting here is safe". Every decider maps step information to a score in [0, 1]; a decider with
 threshold tau fires when score >= tau.
+
+Why "state": the head's two scalars need the vocabulary-wide head at every fast step, which on a
+model whose head is a fifth of its weights (SmolLM2: 113 of 538 MB) costs more than the step's
+layer; reading the state alone, an early exit computes the head only for the tokens that leave.
 """
 
 from __future__ import annotations
@@ -19,19 +24,22 @@ import jax.numpy as jnp
 
 from m2r2_jax.models.layers import RMSNorm
 
-N_SCALARS = 3
+N_SCALARS = {"logits": 3, "state": 1}  # per router_features
 DECIDERS = ("router", "confidence", "saturation", "step_mlp")
 
 
-def step_scalars(logits: jax.Array, g: jax.Array, g_prev: jax.Array) -> jax.Array:
-    """[..., 3]: max probability, entropy / log(V), relative velocity of the step."""
+def step_scalars(features: str, logits: Optional[jax.Array], g: jax.Array, g_prev: jax.Array) -> jax.Array:
+    """The router's scalars of a step, [..., N_SCALARS[features]]: "logits": max probability,
+    entropy / log(V) and relative velocity; "state": the velocity only (`logits` unused, may be None)."""
+    g32, gp32 = g.astype(jnp.float32), g_prev.astype(jnp.float32)
+    vel = jnp.tanh(jnp.linalg.norm(g32 - gp32, axis=-1) / (jnp.linalg.norm(gp32, axis=-1) + 1e-6))
+    if features == "state":
+        return vel[..., None]
     logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
     p = jnp.exp(logp)
     max_p = jnp.max(p, axis=-1)
     entropy = -jnp.sum(p * logp, axis=-1) / math.log(logits.shape[-1])
-    g32, gp32 = g.astype(jnp.float32), g_prev.astype(jnp.float32)
-    vel = jnp.linalg.norm(g32 - gp32, axis=-1) / (jnp.linalg.norm(gp32, axis=-1) + 1e-6)
-    return jnp.stack([max_p, entropy, jnp.tanh(vel)], axis=-1)
+    return jnp.stack([max_p, entropy, vel], axis=-1)
 
 
 class ARLARouter(nn.Module):
@@ -56,7 +64,7 @@ class ARLARouter(nn.Module):
 
     def score(self, traj: jax.Array, i, scalars: jax.Array) -> jax.Array:
         """Exit logit at step i. traj: [K, ..., dim] (entries after step i are ignored);
-        scalars: [..., 3]. `i` may be traced."""
+        scalars: [..., N_SCALARS[features]]. `i` may be traced."""
         zi = traj[i]
         q = self.wq(zi)
         k = self.wk(traj)

@@ -3,6 +3,7 @@ token exits, and the exactness of the "deferred" K/V completion."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import numpy as np
@@ -16,24 +17,27 @@ from m2r2_jax.models.transformer import cache_length
 
 PROMPTS = [[1, 2, 3], [4, 5], [9, 10, 11, 12, 13, 14], [6]]
 MCFG = M2R2Config(branch_layer=1, rate=2, lora_rank=4, router_dim=8, router_hidden=8)
+STATE_MCFG = dataclasses.replace(MCFG, router_features="state")  # the router reads no head
+STATE_TAU = 0.55  # some tokens leave, some do not
 
 
 @functools.lru_cache(maxsize=None)
-def m2r2_params():
+def m2r2_params(mcfg=MCFG):
     cfg, _ = model("llama")
-    return random_m2r2(cfg, MCFG, 3, adapter_scale=0.2)
+    return random_m2r2(cfg, mcfg, 3, adapter_scale=0.2)
 
 
-def engine(method, kv_missing="propagate", decider="confidence", window=2, layer_loop="scan"):
+def engine(method, kv_missing="propagate", decider="confidence", window=2, layer_loop="scan", mcfg=MCFG):
     cfg, params = model("llama")
-    kw = dict(m2r2=(MCFG, m2r2_params())) if method == "m2r2_exit" else dict(decider=decider)
+    kw = dict(m2r2=(mcfg, m2r2_params(mcfg))) if method == "m2r2_exit" else dict(decider=decider)
     eng = api.build_engine(method, cfg, params, max_new_tokens=MAX_NEW, kv_missing=kv_missing,
                            deferred_window=window, layer_loop=layer_loop, **kw)
     return cfg, params, eng
 
 
-def test_m2r2_exit_without_router_firing_is_plain_decoding():
-    cfg, params, eng = engine("m2r2_exit")
+@pytest.mark.parametrize("mcfg", [MCFG, STATE_MCFG], ids=["logits_router", "state_router"])
+def test_m2r2_exit_without_router_firing_is_plain_decoding(mcfg):
+    cfg, params, eng = engine("m2r2_exit", mcfg=mcfg)
     res, _ = run(eng, PROMPTS, tau=1.0)
     ar, _ = run(api.build_engine("ar", cfg, params, max_new_tokens=MAX_NEW), PROMPTS)
     k = MCFG.steps(cfg)
@@ -42,7 +46,7 @@ def test_m2r2_exit_without_router_firing_is_plain_decoding():
         assert r.early_exits == 0
         steps = len(r.tokens) - 1
         assert r.target_layers == pytest.approx(steps * cfg.n_layers)
-        assert r.draft_layers == pytest.approx(steps * (draft_cost_layers(cfg, MCFG) - MCFG.branch_layer), rel=1e-5)
+        assert r.draft_layers == pytest.approx(steps * (draft_cost_layers(cfg, mcfg) - mcfg.branch_layer), rel=1e-5)
         assert k >= 1
 
 
@@ -125,12 +129,14 @@ def test_deferred_kv_is_exact_once_completed(method, decider, tau):
 
 @pytest.mark.parametrize("method,decider,kv_missing,tau", [
     ("distance_exit", "confidence", "propagate", 0.3), ("distance_exit", "saturation", "deferred", 0.75),
-    ("m2r2_exit", "confidence", "propagate", 0.52), ("m2r2_exit", "confidence", "deferred", 0.55)])
+    ("m2r2_exit", "confidence", "propagate", 0.52), ("m2r2_exit", "confidence", "deferred", 0.55),
+    ("m2r2_exit", "state", "propagate", STATE_TAU)])
 def test_unrolled_early_exit_is_the_while_loop_early_exit(method, decider, kv_missing, tau):
     """layer_loop="unrolled" runs each layer (and fast step) behind its own lax.cond instead of a
     while loop over the stack: the same tokens, exits, compute and K/V cache."""
-    got, got_state = run(engine(method, kv_missing, decider, layer_loop="unrolled")[2], PROMPTS, tau=tau)
-    want, want_state = run(engine(method, kv_missing, decider)[2], PROMPTS, tau=tau)
+    mcfg = STATE_MCFG if decider == "state" else MCFG
+    got, got_state = run(engine(method, kv_missing, decider, layer_loop="unrolled", mcfg=mcfg)[2], PROMPTS, tau=tau)
+    want, want_state = run(engine(method, kv_missing, decider, mcfg=mcfg)[2], PROMPTS, tau=tau)
     assert sum(r.early_exits for r in want) > 0 and sum(len(r.tokens) - 1 - r.early_exits for r in want) > 0
     for a, b in zip(got, want):
         assert (a.tokens, a.early_exits) == (b.tokens, b.early_exits)
@@ -138,3 +144,27 @@ def test_unrolled_early_exit_is_the_while_loop_early_exit(method, decider, kv_mi
     for name in ("k", "v"):
         np.testing.assert_allclose(np.asarray(got_state.cache[name]), np.asarray(want_state.cache[name]),
                                    atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("layer_loop", ["scan", "unrolled"])
+def test_state_router_exits_compute_the_head_only_where_a_token_leaves(layer_loop, monkeypatch):
+    """With router_features="state" a fast step computes no head; the exit head runs in a step
+    where a token leaves (`lax.cond`). Reference: the same router with the head computed at every
+    step (`fast_step` wrapped to return it): the same tokens, exits and caches."""
+    from m2r2_jax.m2r2 import fast_stream as F
+
+    lazy = engine("m2r2_exit", mcfg=STATE_MCFG, layer_loop=layer_loop)[2]
+    got, got_state = run(lazy, PROMPTS, tau=STATE_TAU)
+    real = F.fast_step
+
+    def eager(base, mcfg, base_params, m2r2_params, i, g, positions, cache, traj):
+        g_new, cache, traj, el, logits = real(base, mcfg, base_params, m2r2_params, i, g, positions, cache, traj)
+        assert logits is None  # the state router's step reads no head
+        return g_new, cache, traj, el, F.exit_head_logits(base, mcfg, base_params, m2r2_params, i, g_new)
+
+    monkeypatch.setattr(F, "fast_step", eager)
+    want, want_state = run(engine("m2r2_exit", mcfg=STATE_MCFG, layer_loop=layer_loop)[2], PROMPTS, tau=STATE_TAU)
+    assert 0 < sum(r.early_exits for r in want) < sum(len(r.tokens) - 1 for r in want)
+    for a, b in zip(got, want):
+        assert (a.tokens, a.early_exits, a.draft_layers) == (b.tokens, b.early_exits, b.draft_layers)
+    np.testing.assert_array_equal(np.asarray(got_state.cache["k"]), np.asarray(want_state.cache["k"]))

@@ -37,6 +37,7 @@ def test_schedules():
     (dict(branch_layer=8), "branch_layer"), (dict(branch_layer=-1), "branch_layer"), (dict(rate=1), "rate"),
     (dict(lora_rank=0), "lora_rank"), (dict(schedule="fast"), "schedule"), (dict(n_steps=2, rate=2), "n_steps"),
     (dict(lora_targets=("q_proj", "w9")), "lora_targets"), (dict(moe_fast_mlp="x"), "moe_fast_mlp"),
+    (dict(router_features="head"), "router_features"),
 ])
 def test_config_validation_names_field(bad, field):
     base = tiny_config("llama", n_layers=8)
@@ -318,3 +319,23 @@ def test_draft_vocab_loss_is_the_draft_heads_own_distillation():
                                                        vocab=vocab(ids))[0], mp)
     with pytest.raises(ConfigError, match="deciders"):
         L.distill_loss(base, mcfg, lc, bp, mp, toks, vocab=vocab(ids))
+
+
+def test_state_router_reads_the_velocity_only_and_trains():
+    """router_features="state": the router's scalars are the step's velocity alone (its input
+    layer is two fewer wide), nothing of the exit head reaches its score, and its BCE trains it."""
+    from m2r2_jax.m2r2 import losses as L
+    from m2r2_jax.m2r2.router import step_scalars
+
+    base, bp, mcfg, mp = _setup("llama", router_features="state")
+    assert mp["router"]["mlp_in"]["kernel"].shape[0] == 2 * mcfg.router_dim + 1
+    g, gp = (jax.random.normal(jax.random.key(s), (2, 3, base.d_model)) for s in (8, 9))
+    np.testing.assert_allclose(step_scalars("state", None, g, gp), step_scalars("logits", g @ bp["embed"]["embedding"].T,
+                                                                                   g, gp)[..., 2:], rtol=1e-6)
+    toks = jax.random.randint(jax.random.key(10), (2, 8), 0, base.vocab_size)
+    cache = T.init_cache(base, 2, 8)
+    out = F.fast_forward(base, mcfg, bp, mp, toks, jnp.broadcast_to(jnp.arange(8), (2, 8)), cache)
+    assert np.all(np.isfinite(np.asarray(out.exit_logits[-1])))
+    router_loss = lambda r: L.distill_loss(base, mcfg, L.LossConfig(), bp, {**mp, "router": r}, toks)[1]["router_bce"]
+    grads = jax.grad(router_loss)(mp["router"])
+    assert float(sum(jnp.sum(x * x) for x in jax.tree.leaves(grads))) > 0
