@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Optional
 
 from m2r2_jax.errors import CheckpointError
 
@@ -31,11 +32,28 @@ def write_jsonl_atomic(path, rows) -> None:
     write_text_atomic(path, "".join(json.dumps(row) + "\n" for row in rows))
 
 
+def report_path_error(out) -> Optional[str]:
+    """Make the directory a report will be written to; the one-line reason it cannot be, or None.
+    Called before a measurement starts, so that minutes of work are not lost at the end."""
+    if not out:
+        return None
+    path = Path(out).absolute()
+    if path.is_dir():
+        return f"--out {out} is a directory: expected a file name"
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        return f"--out {out}: cannot create its directory: {e.strerror or e}"
+    return None
+
+
 def emit_json_report(report: dict, out=None) -> None:
-    """Print `report` as indented JSON and, with `out`, write the same text there atomically."""
+    """Print `report` as indented JSON and, with `out`, write the same text there atomically (the
+    directory is created)."""
     from m2r2_jax.atomic import write_text_atomic
 
     text = json.dumps(report, indent=2)
     if out:
+        Path(out).absolute().parent.mkdir(parents=True, exist_ok=True)
         write_text_atomic(out, text + "\n")
     print(text)

@@ -7,7 +7,10 @@ unrolled loop with one `lax.cond` per layer), side by side, same prompts, greedy
 
 At tau 1.0 a token leaves only where the decider is certain (it may happen through rounding; the
 report counts exits), so each method's speed against ar is the price of its machinery: the layer
-loop, the deciders' inputs, the fast steps. Prints a JSON report (also to --out).
+loop, the deciders' inputs, the fast steps. "m2r2_exit_state_router" is m2r2_exit with the shipped
+fast stream and a router that reads the state only (`m2r2.router_features="state"`), freshly
+initialised: untrained, so its figure is the cost of that design where nothing exits, not a
+quality. Prints a JSON report (also to --out).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ def main(argv=None) -> dict:
     p.add_argument("--n_prompts", type=int, default=2)
     p.add_argument("--max_new_tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--loops", default="scan,unrolled", help="the exit methods' layer loops, comma-separated")
     p.add_argument("--out", default=None)
     a = p.parse_args(sys.argv[1:] if argv is None else argv)
     for flag, path in (("--checkpoint", a.checkpoint), ("--m2r2", a.m2r2)):
@@ -31,13 +35,25 @@ def main(argv=None) -> dict:
             p.error(f"{flag} {path}: no such directory")
     if min(a.n_prompts, a.max_new_tokens, a.repeats) < 1:
         p.error("--n_prompts, --max_new_tokens and --repeats must be positive")
+    from m2r2_jax.json_files import report_path_error
 
+    loops = [x for x in a.loops.split(",") if x]
+    if not loops or set(loops) - {"scan", "unrolled"}:
+        p.error(f"--loops {a.loops}: expected scan, unrolled or both")
+    err = report_path_error(a.out)
+    if err:
+        p.error(err)
+
+    import dataclasses
+
+    import jax
     import numpy as np
 
     from m2r2_jax.bench.prompts import chat_prompt_ids
     from m2r2_jax.bench.speculative import per_answer_timing_side_by_side
     from m2r2_jax.data.tokenizer import load_tokenizer
     from m2r2_jax.decoding import api
+    from m2r2_jax.m2r2.fast_stream import init_m2r2_params
     from m2r2_jax.m2r2.loading import load_base_and_m2r2
     from m2r2_jax.models.checkpoint import tokenizer_path
 
@@ -46,11 +62,14 @@ def main(argv=None) -> dict:
     prompts, _ = chat_prompt_ids(tok, "mt_bench", a.n_prompts)
     common = dict(max_new_tokens=a.max_new_tokens, eos_ids=list(tok.eos_ids))
     runners = {"ar": (api.build_engine("ar", cfg, params, layer_loop="auto", **common), 0.5)}
+    state_mcfg = dataclasses.replace(mcfg, router_features="state")
+    state_router = init_m2r2_params(cfg, state_mcfg, jax.random.key(0))["router"]
     exits = {"m2r2_exit": ("m2r2_exit", dict(m2r2=(mcfg, m2r2_params))),
+             "m2r2_exit_state_router": ("m2r2_exit", dict(m2r2=(state_mcfg, {**m2r2_params, "router": state_router}))),
              "distance_exit_confidence": ("distance_exit", dict(decider="confidence")),
              "distance_exit_saturation": ("distance_exit", dict(decider="saturation"))}
     for name, (method, kw) in exits.items():
-        for loop in ("scan", "unrolled"):
+        for loop in loops:
             runners[f"{name}/{loop}"] = (api.build_engine(method, cfg, params, layer_loop=loop, **kw, **common), 1.0)
     width = max(len(x) for x in prompts)
     timed = per_answer_timing_side_by_side(runners, prompts, width, a.repeats)

@@ -44,6 +44,11 @@ def _args(argv):
         p.error(f"--checkpoint {a.checkpoint}: no such directory")
     if min(a.n_prompts, a.max_new_tokens, a.repeats) < 1:
         p.error("--n_prompts, --max_new_tokens and --repeats must be positive")
+    from m2r2_jax.json_files import report_path_error
+
+    err = report_path_error(a.out)
+    if err:
+        p.error(err)
     return a
 
 
