@@ -22,6 +22,16 @@ draft's head has to be a draft vocabulary (`m2r2 draft-vocab`), and the fast str
 for that head (`draft_vocab`: the KL over those 8,192 tokens, 32x less head work than over
 262,144), at a quarter of the positions (loss.kl_fraction). The teacher cache holds hidden states,
 not logits, so its size does not grow with the vocabulary.
+
+Measured on the 2-core CPU (2026-12-07): distill-data 925 s (350 answers, 68,019 tokens of which
+44,130 generated; 65 prompts held out). This is the pretrained model, which has no chat template:
+prompts go in raw, and its greedy answers often repeat a sentence until the token limit (a base
+that loops flatters every drafter: `m2r2 bench` prints the distinct-token fraction of ar's
+answers). The answers use fewer than 8,192 distinct tokens, so the draft vocabulary covers all of
+them. distill 2,172 s: 600 stream steps at ~3.1 s (331 training tokens/s; over the full
+vocabulary a step takes ~17 s, 59 tokens/s, in an 8-step run of each), 30 router steps at ~9 s.
+Agreement of fast steps 1..5 with the base on the last training batches, within the draft
+vocabulary: 0.42 / 0.45 / 0.71 / 0.74 / 0.76.
 """
 
 from m2r2_jax.m2r2.distill import distill_config

@@ -595,14 +595,15 @@ def early_exit_sweep(cfg, base_params, prompts, *, max_new_tokens: int, threshol
                      layer_loop: str = "auto", eos_ids=None) -> dict:
     """Quality (vs the full model's greedy output) against speed for early-exit deciders. Every
     (method, threshold) and plain decoding are timed side by side in one sweep, so each speedup
-    is measured against ar under the same machine load. `layer_loop`: ar's, as in
-    `compare_methods` (the early-exit methods' traced exit depth needs the scan); `eos_ids`: every
-    method stops an answer there (None: answers run to max_new_tokens)."""
+    is measured against ar under the same machine load. `layer_loop`: every engine's, as in
+    `compare_methods` (unrolled, the exit runners put each layer behind a `lax.cond`); `eos_ids`:
+    every method stops an answer there (None: answers run to max_new_tokens)."""
     width = max(len(p) for p in prompts)
     runners = {"ar": (api.build_engine("ar", cfg, base_params, max_new_tokens=max_new_tokens,
                                        layer_loop=layer_loop, eos_ids=eos_ids), 0.5)}
     for m in methods:
-        eng = api.build_engine(m, cfg, base_params, max_new_tokens=max_new_tokens, m2r2=m2r2, eos_ids=eos_ids)
+        eng = api.build_engine(m, cfg, base_params, max_new_tokens=max_new_tokens, m2r2=m2r2, eos_ids=eos_ids,
+                               layer_loop=layer_loop)
         for tau in thresholds:
             runners[(m, float(tau))] = (eng, float(tau))
     if progress:
