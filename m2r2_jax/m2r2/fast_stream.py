@@ -318,7 +318,8 @@ def fast_step(base: ModelConfig, mcfg: M2R2Config, base_params, m2r2_params, i, 
     A "state" router reads no head: logits is None, and the caller computes the head where a token
     leaves."""
     # a static step visits a static layer: unstacked layers are indexed by Python ints only
-    j = int(visited_layers(base, mcfg)[i]) if isinstance(i, int) else jnp.asarray(visited_layers(base, mcfg))[i]
+    visited = visited_layers(base, mcfg)
+    j = int(visited[i]) if isinstance(i, int) else jnp.asarray(visited)[i]
     g_new, cache, _ = _fast_layer(base, mcfg, base_params, _step_params(m2r2_params, i), j, g, positions, cache, False)
     logits = None
     if mcfg.router_features == "logits":
