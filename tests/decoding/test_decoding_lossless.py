@@ -168,3 +168,23 @@ def test_sampled_outputs_depend_only_on_seed_and_line_number():
     assert together[2].tokens != together[0].tokens
     again, _ = run(eng, [p], seed=1)
     assert again[0].tokens != alone[0].tokens
+
+
+def test_lossless_through_the_few_rows_head(monkeypatch):
+    # The tied head's few-rows CPU form (`layers.tied_head_product`) on the tiny table too: batch 1
+    # and gamma 3, so the verification scores 4 positions through it while ar's steps take the dot.
+    from m2r2_jax.models import layers
+
+    traced, inner = [], layers._few_rows_product
+    monkeypatch.setattr(layers, "FEW_ROWS_MIN_TABLE", 0)
+    monkeypatch.setattr(layers, "_few_rows_product", lambda x, w: traced.append(x.shape) or inner(x, w))
+    cfg, params = model("llama", tie_embeddings=True)
+    rng = np.random.default_rng(3)
+    prompts = [list(rng.integers(1, cfg.vocab_size, size=n)) for n in (2, 5, 6, 3)]
+    outs = {}
+    for method, kw in (("ar", {}), ("distance_spec", dict(exit_layer=2, gamma=3))):
+        eng = api.build_engine(method, cfg, params, max_new_tokens=12, eos_ids=EOS, temperature=0.0, **kw)
+        outs[method] = [r.tokens for r in api.run_engine(eng, prompts, batch_size=1, width=WIDTH, fixed_batch=True)]
+    assert any(int(np.prod(s[:-1])) == 4 for s in traced), traced  # the verification's 4 positions
+    assert outs["distance_spec"] == outs["ar"]
+    assert sum(len(t) for t in outs["ar"]) >= 4 * 6
