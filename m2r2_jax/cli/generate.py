@@ -12,7 +12,9 @@ Each output line (same order) holds "tokens" (generated ids), "text" (their deco
 without a tokenizer), "accepted" (per verification round: accepted drafts + 1; empty for
 non-speculative methods), "rounds", "layers" (decode-phase layer-equivalents) and "early_exits".
 Line i samples from its own stream `fold_in(key(seed), i)`, so results do not depend on
---batch-size. Without --m2r2 the m2r2 methods use freshly initialised M2R2 parameters (still
+--batch-size. `--include_prompt` puts the prompt's ids in front of "tokens", adds "prompt_len" (their
+number) and names the answer's decoding "answer_text": the rows `m2r2 moe-bench --forced_per_row` teacher-forces, a model's answers to chat
+prompts of different lengths. Without --m2r2 the m2r2 methods use freshly initialised M2R2 parameters (still
 lossless for m2r2_spec). The output file is written atomically.
 """
 
@@ -44,6 +46,8 @@ flags.DEFINE_string("chat_template", "auto", "text prompts: auto (the checkpoint
                     "none (raw text), or a template file (.jinja or a tokenizer_config.json)")
 flags.DEFINE_string("draft_vocab", None, "m2r2_spec / distance_spec: draft from this token subset only (a JSON file "
                     "from `m2r2 draft-vocab`); output is unchanged, drafting cheaper")
+flags.DEFINE_bool("include_prompt", False, "each row's \"tokens\" start with its prompt's ids, and \"prompt_len\" "
+                  "says how many (the input of moe-bench --forced_per_row)")
 flags.DEFINE_enum("layer_loop", "auto", ["auto", "scan", "unrolled"], "the layer loop: a lax.scan over the stacked "
                   "layers, unrolled over per-layer weights (ar and speculative methods, no --sharding plan), or auto: "
                   "unrolled where it serves on CPU, the scan elsewhere (same tokens either way)")
@@ -109,13 +113,16 @@ def main(argv):
                            decider=FLAGS.decider, kv_missing=FLAGS.kv_missing, draft_vocab=vocab,
                            layer_loop=FLAGS.layer_loop)
     rows = [{
-        "tokens": r.tokens,
-        "text": tokenizer.decode(r.tokens) if tokenizer is not None else None,
+        "tokens": list(p) + list(r.tokens) if FLAGS.include_prompt else r.tokens,
+        **({"prompt_len": len(p)} if FLAGS.include_prompt else {}),
+        # with the prompt in "tokens", a "text" field would read as a second prompt: "answer_text"
+        ("answer_text" if FLAGS.include_prompt else "text"): (tokenizer.decode(r.tokens) if tokenizer is not None
+                                                              else None),
         "accepted": r.accepted,
         "rounds": r.rounds,
         "layers": r.layers,
         "early_exits": r.early_exits,
-    } for r in results]
+    } for p, r in zip(prompts, results)]
     import jax
 
     if jax.process_index() == 0:  # multi-host: every process holds the gathered results; one writes

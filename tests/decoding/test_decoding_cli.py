@@ -52,6 +52,21 @@ def test_cli_m2r2_spec_with_fresh_params_reproduces_greedy_ar(ckpts):
     assert rows[0]["tokens"] == rows[2]["tokens"]  # greedy: a repeated prompt repeats
 
 
+def test_cli_include_prompt_rows_are_what_moe_bench_teacher_forces(ckpts):
+    from m2r2_jax.data.prompt_files import row_split_points
+
+    out = ckpts / "with_prompt.jsonl"
+    r = m2r2_cli("--checkpoint", str(ckpts / "base"), "--method", "ar", "--prompts", str(ckpts / "prompts.jsonl"),
+                 "--max-new-tokens", "5", "--include_prompt", "--out", str(out))
+    assert r.returncode == 0, r.stderr
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    cfg, params = model("llama")
+    ref = api.generate("ar", cfg, params, PROMPTS, max_new_tokens=5, batch_size=3)
+    assert [row["tokens"] for row in rows] == [list(p) + x.tokens for p, x in zip(PROMPTS, ref)]
+    assert [row["prompt_len"] for row in rows] == [len(p) for p in PROMPTS]
+    assert row_split_points(out, len(rows)) == [len(p) for p in PROMPTS]
+
+
 @pytest.mark.parametrize("extra,needle", [
     (["--max-new-tokens", "0"], "max-new-tokens"),
     (["--m2r2", "{d}/m2r2_other"], "another base model"),
