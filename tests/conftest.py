@@ -130,3 +130,21 @@ def tiny_dense():
 @pytest.fixture
 def tiny_moe():
     return tiny_config("mixtral")
+
+
+@pytest.fixture
+def few_rows_head_everywhere(monkeypatch):
+    """The tied head's few-rows CPU form (`models.layers.tied_head_product`) on the tests' tiny
+    tables too (normally only tables of 4M+ entries take it). Returns the shapes of the x's traced
+    through it, so a test can show it did not pass on the dot alone."""
+    from m2r2_jax.models import layers
+
+    traced, inner = [], layers._few_rows_product
+
+    def counted(x, w):
+        traced.append(x.shape)
+        return inner(x, w)
+
+    monkeypatch.setattr(layers, "FEW_ROWS_MIN_TABLE", 0)
+    monkeypatch.setattr(layers, "_few_rows_product", counted)
+    return traced

@@ -12,10 +12,11 @@ Each output line (same order) holds "tokens" (generated ids), "text" (their deco
 without a tokenizer), "accepted" (per verification round: accepted drafts + 1; empty for
 non-speculative methods), "rounds", "layers" (decode-phase layer-equivalents) and "early_exits".
 Line i samples from its own stream `fold_in(key(seed), i)`, so results do not depend on
---batch-size. `--include_prompt` puts the prompt's ids in front of "tokens", adds "prompt_len" (their
-number) and names the answer's decoding "answer_text": the rows `m2r2 moe-bench --forced_per_row` teacher-forces, a model's answers to chat
-prompts of different lengths. Without --m2r2 the m2r2 methods use freshly initialised M2R2 parameters (still
-lossless for m2r2_spec). The output file is written atomically.
+--batch-size. `--include_prompt` puts the prompt's ids in front of "tokens", adds "prompt_len"
+(their number) and names the answer's decoding "answer_text": the rows that
+`m2r2 moe-bench --forced_per_row` teacher-forces (a model's answers to chat prompts of different
+lengths). Without --m2r2 the m2r2 methods use freshly initialised M2R2 parameters (still lossless
+for m2r2_spec). The output file is written atomically.
 """
 
 from __future__ import annotations
@@ -112,20 +113,25 @@ def main(argv):
                            tau=FLAGS.tau, eos_ids=eos, m2r2=m2r2, draft=draft, exit_layer=FLAGS.exit_layer,
                            decider=FLAGS.decider, kv_missing=FLAGS.kv_missing, draft_vocab=vocab,
                            layer_loop=FLAGS.layer_loop)
-    rows = [{
-        "tokens": list(p) + list(r.tokens) if FLAGS.include_prompt else r.tokens,
-        **({"prompt_len": len(p)} if FLAGS.include_prompt else {}),
-        # with the prompt in "tokens", a "text" field would read as a second prompt: "answer_text"
-        ("answer_text" if FLAGS.include_prompt else "text"): (tokenizer.decode(r.tokens) if tokenizer is not None
-                                                              else None),
-        "accepted": r.accepted,
-        "rounds": r.rounds,
-        "layers": r.layers,
-        "early_exits": r.early_exits,
-    } for p, r in zip(prompts, results)]
+    rows = [_output_row(p, r, tokenizer, FLAGS.include_prompt) for p, r in zip(prompts, results)]
     import jax
 
     if jax.process_index() == 0:  # multi-host: every process holds the gathered results; one writes
         write_jsonl_atomic(FLAGS.out, rows)
     n_tok = sum(len(r.tokens) for r in results)
     print(f"wrote {len(rows)} lines, {n_tok} tokens, to {FLAGS.out}")
+
+
+def _output_row(prompt, result, tokenizer, include_prompt: bool) -> dict:
+    row = {
+        "tokens": result.tokens,
+        "text": tokenizer.decode(result.tokens) if tokenizer is not None else None,
+        "accepted": result.accepted,
+        "rounds": result.rounds,
+        "layers": result.layers,
+        "early_exits": result.early_exits,
+    }
+    if include_prompt:
+        # with the prompt in "tokens", a "text" field would read as a second prompt: "answer_text"
+        row.update(tokens=list(prompt) + list(result.tokens), prompt_len=len(prompt), answer_text=row.pop("text"))
+    return row

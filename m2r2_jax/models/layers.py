@@ -462,8 +462,12 @@ def tied_head_product(x: Array, table: Array) -> Array:
     w = table.astype(x.dtype)
     rows = math.prod(x.shape[:-1])
     if not (2 <= rows <= FEW_ROWS_MAX) or w.size < FEW_ROWS_MIN_TABLE:
-        return x @ w.T
-    return jax.lax.platform_dependent(x, w, cpu=_few_rows_product, default=lambda x, w: x @ w.T)
+        return _table_dot(x, w)
+    return jax.lax.platform_dependent(x, w, cpu=_few_rows_product, default=_table_dot)
+
+
+def _table_dot(x: Array, w: Array) -> Array:
+    return x @ w.T
 
 
 def _few_rows_product(x: Array, w: Array) -> Array:

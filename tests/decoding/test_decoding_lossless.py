@@ -170,14 +170,10 @@ def test_sampled_outputs_depend_only_on_seed_and_line_number():
     assert again[0].tokens != alone[0].tokens
 
 
-def test_lossless_through_the_few_rows_head(monkeypatch):
-    # The tied head's few-rows CPU form (`layers.tied_head_product`) on the tiny table too: batch 1
-    # and gamma 3, so the verification scores 4 positions through it while ar's steps take the dot.
-    from m2r2_jax.models import layers
-
-    traced, inner = [], layers._few_rows_product
-    monkeypatch.setattr(layers, "FEW_ROWS_MIN_TABLE", 0)
-    monkeypatch.setattr(layers, "_few_rows_product", lambda x, w: traced.append(x.shape) or inner(x, w))
+def test_lossless_through_the_few_rows_head(few_rows_head_everywhere):
+    # The tied head's few-rows CPU form on the tiny table too: batch 1 and gamma 3, so the
+    # verification scores 4 positions through it while ar's steps take the dot.
+    traced = few_rows_head_everywhere
     cfg, params = model("llama", tie_embeddings=True)
     rng = np.random.default_rng(3)
     prompts = [list(rng.integers(1, cfg.vocab_size, size=n)) for n in (2, 5, 6, 3)]

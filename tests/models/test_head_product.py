@@ -12,25 +12,9 @@ import pytest
 from m2r2_jax.models import layers
 
 
-@pytest.fixture
-def every_table(monkeypatch):
-    """The form on the tests' tiny tables too (normally only tables of 4M+ entries take it), with a
-    count of the traces that went through it (so a test cannot pass on the dot alone)."""
-    calls = []
-    inner = layers._few_rows_product
-
-    def counted(x, w):
-        calls.append(x.shape)
-        return inner(x, w)
-
-    monkeypatch.setattr(layers, "FEW_ROWS_MIN_TABLE", 0)
-    monkeypatch.setattr(layers, "_few_rows_product", counted)
-    return calls
-
-
 @pytest.mark.parametrize("lead", [(1,), (2,), (1, 3), (2, 2), (4,), (5,), (2, 3)])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_equals_the_dot(every_table, lead, dtype):
+def test_equals_the_dot(few_rows_head_everywhere, lead, dtype):
     rng = np.random.default_rng(0)
     x = jnp.asarray(rng.normal(size=lead + (48,)), dtype)
     w = jnp.asarray(rng.normal(size=(301, 48)) / 7, jnp.float32)
@@ -40,7 +24,7 @@ def test_equals_the_dot(every_table, lead, dtype):
     tol = 1e-5 if dtype == jnp.float32 else 2e-2
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want), rtol=tol, atol=tol)
     rows = int(np.prod(lead))
-    assert bool(every_table) == (2 <= rows <= layers.FEW_ROWS_MAX)
+    assert bool(few_rows_head_everywhere) == (2 <= rows <= layers.FEW_ROWS_MAX)
 
 
 def _lowered(platform: str, rows: int) -> str:
@@ -55,4 +39,3 @@ def test_only_cpu_lowers_the_broadcast_form(platform):
     assert ("dot_general" in text) == (platform != "cpu")
     assert ("stablehlo.reduce" in text) == (platform == "cpu")
     assert "dot_general" in _lowered(platform, 1)  # one row: the dot everywhere
-
