@@ -7,10 +7,12 @@ unrolled loop with one `lax.cond` per layer), side by side, same prompts, greedy
 
 At tau 1.0 a token leaves only where the decider is certain (it may happen through rounding; the
 report counts exits), so each method's speed against ar is the price of its machinery: the layer
-loop, the deciders' inputs, the fast steps. "m2r2_exit_state_router" is m2r2_exit with the shipped
-fast stream and a router that reads the state only (`m2r2.router_features="state"`), freshly
-initialised: untrained, so its figure is the cost of that design where nothing exits, not a
-quality. Prints a JSON report (also to --out).
+loop, the deciders' inputs, the fast steps. For a checkpoint whose router reads the exit head's
+logits, "m2r2_exit_state_router" is m2r2_exit with its fast stream and a router that reads the
+state only (`m2r2.router_features="state"`), freshly initialised: untrained, so its figure is the
+cost of that design where nothing exits, not a quality. A router that can give up
+(`m2r2.router_give_up`) stops a token's fast steps once it expects no later step to be safe with
+probability tau: at tau 1.0 after the first one. Prints a JSON report (also to --out).
 """
 
 from __future__ import annotations
@@ -62,19 +64,22 @@ def main(argv=None) -> dict:
     prompts, _ = chat_prompt_ids(tok, "mt_bench", a.n_prompts)
     common = dict(max_new_tokens=a.max_new_tokens, eos_ids=list(tok.eos_ids))
     runners = {"ar": (api.build_engine("ar", cfg, params, layer_loop="auto", **common), 0.5)}
-    state_mcfg = dataclasses.replace(mcfg, router_features="state")
-    state_router = init_m2r2_params(cfg, state_mcfg, jax.random.key(0))["router"]
-    exits = {"m2r2_exit": ("m2r2_exit", dict(m2r2=(mcfg, m2r2_params))),
-             "m2r2_exit_state_router": ("m2r2_exit", dict(m2r2=(state_mcfg, {**m2r2_params, "router": state_router}))),
-             "distance_exit_confidence": ("distance_exit", dict(decider="confidence")),
-             "distance_exit_saturation": ("distance_exit", dict(decider="saturation"))}
+    exits = {"m2r2_exit": ("m2r2_exit", dict(m2r2=(mcfg, m2r2_params)))}
+    if mcfg.router_features == "logits":
+        state_mcfg = dataclasses.replace(mcfg, router_features="state", router_give_up=False)
+        state_router = init_m2r2_params(cfg, state_mcfg, jax.random.key(0))["router"]
+        exits["m2r2_exit_state_router"] = ("m2r2_exit", dict(m2r2=(state_mcfg, {**m2r2_params, "router": state_router})))
+    exits.update({"distance_exit_confidence": ("distance_exit", dict(decider="confidence")),
+                  "distance_exit_saturation": ("distance_exit", dict(decider="saturation"))})
     for name, (method, kw) in exits.items():
         for loop in loops:
             runners[f"{name}/{loop}"] = (api.build_engine(method, cfg, params, layer_loop=loop, **kw, **common), 1.0)
     width = max(len(x) for x in prompts)
     timed = per_answer_timing_side_by_side(runners, prompts, width, a.repeats)
     ar_results, ar_tps = timed["ar"][0], float(np.mean(timed["ar"][1]))
-    report = {"max_new_tokens": a.max_new_tokens, "repeats": a.repeats, "n_prompts": len(prompts), "methods": {}}
+    report = {"max_new_tokens": a.max_new_tokens, "repeats": a.repeats, "n_prompts": len(prompts),
+              "m2r2": {"router_features": mcfg.router_features, "router_give_up": mcfg.router_give_up},
+              "methods": {}}
     for name, (results, tps, _) in timed.items():
         report["methods"][name] = {
             "tokens_per_s": float(np.mean(tps)), "speedup_vs_ar": float(np.mean(tps)) / ar_tps,

@@ -33,7 +33,31 @@ def targets(report: dict) -> dict:
     if al:
         beats = al.get("fast_beats_slow_at_equal_compute", [])
         out["fast_above_slow_at_equal_compute"] = {"value": beats, "met": bool(beats) and all(beats)}
+    ee = report.get("early_exit", {})
+    if "distance_exit" in ee and any(m.startswith("m2r2_exit") for m in ee):
+        out["m2r2_exit_rouge_ge_0.9_faster_than_distance_exit"] = _exit_target(ee)
     return out
+
+
+def _exit_target(ee: dict, rouge: float = 0.9) -> dict:
+    """The fastest threshold of the M2R2 exits (any variant) and of distance_exit whose answers
+    keep ROUGE-L >= `rouge` against the full model's: met when M2R2's is the faster one. Also says
+    whether that M2R2 point exits at all (at a threshold where no token leaves, the speed is only
+    the machinery's cost)."""
+    def best(rows):
+        ok = [r for r in rows if r["rouge_l"] >= rouge]
+        return max(ok, key=lambda r: r["speedup"]) if ok else None
+
+    m = [(name, best(rows)) for name, rows in ee.items() if name.startswith("m2r2_exit")]
+    m = max(((n, r) for n, r in m if r), key=lambda nr: nr[1]["speedup"], default=(None, None))
+    d = best(ee["distance_exit"])
+    value = {"m2r2": None if m[1] is None else {"method": m[0], "threshold": m[1]["threshold"],
+                                                "speedup": m[1]["speedup"], "rouge_l": m[1]["rouge_l"],
+                                                "early_exit_fraction": m[1].get("early_exit_fraction")},
+             "distance_exit": None if d is None else {"threshold": d["threshold"], "speedup": d["speedup"],
+                                                      "rouge_l": d["rouge_l"]}}
+    met = m[1] is not None and (d is None or m[1]["speedup"] > d["speedup"])
+    return {"value": value, "met": met}
 
 
 def _accepted_at_equal_gamma(report: dict, m: dict, d: dict) -> dict:

@@ -590,20 +590,33 @@ def token_agreement(candidate: Sequence[int], reference: Sequence[int]) -> float
     return float(sum(a == b for a, b in zip(candidate, reference)) / n)
 
 
+# the early-exit sweep's methods: (api method, its options)
+EXIT_VARIANTS = {"m2r2_exit": ("m2r2_exit", {}),
+                 "m2r2_exit_confirm": ("m2r2_exit", {"exit_confirm": True}),  # router exits confirmed by the head
+                 "distance_exit": ("distance_exit", {})}
+
+
 def early_exit_sweep(cfg, base_params, prompts, *, max_new_tokens: int, thresholds: Sequence[float], m2r2=None,
                      methods=("m2r2_exit", "distance_exit"), repeats: int = 3, progress=None,
-                     layer_loop: str = "auto", eos_ids=None) -> dict:
+                     layer_loop: str = "auto", eos_ids=None, kv_missing: str = "propagate") -> dict:
     """Quality (vs the full model's greedy output) against speed for early-exit deciders. Every
     (method, threshold) and plain decoding are timed side by side in one sweep, so each speedup
     is measured against ar under the same machine load. `layer_loop`: every engine's, as in
     `compare_methods` (unrolled, the exit runners put each layer behind a `lax.cond`); `eos_ids`:
-    every method stops an answer there (None: answers run to max_new_tokens)."""
+    every method stops an answer there (None: answers run to max_new_tokens); `kv_missing`: how
+    every exit method fills the K/V of the layers an exited token skipped ("propagate" copies the
+    exit state into them, which changes what later tokens attend to; "deferred" computes them
+    exactly, later: `decoding.early_exit`)."""
+    bad = sorted(set(methods) - set(EXIT_VARIANTS))
+    if bad:
+        raise ConfigError(f"early-exit method {bad[0]!r} is unknown: expected one of {', '.join(EXIT_VARIANTS)}")
     width = max(len(p) for p in prompts)
     runners = {"ar": (api.build_engine("ar", cfg, base_params, max_new_tokens=max_new_tokens,
                                        layer_loop=layer_loop, eos_ids=eos_ids), 0.5)}
     for m in methods:
-        eng = api.build_engine(m, cfg, base_params, max_new_tokens=max_new_tokens, m2r2=m2r2, eos_ids=eos_ids,
-                               layer_loop=layer_loop)
+        method, kw = EXIT_VARIANTS[m]
+        eng = api.build_engine(method, cfg, base_params, max_new_tokens=max_new_tokens, m2r2=m2r2, eos_ids=eos_ids,
+                               layer_loop=layer_loop, kv_missing=kv_missing, **kw)
         for tau in thresholds:
             runners[(m, float(tau))] = (eng, float(tau))
     if progress:

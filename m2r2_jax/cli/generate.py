@@ -41,6 +41,8 @@ flags.DEFINE_float("tau", 0.5, "router / decider threshold in [0, 1]")
 flags.DEFINE_enum("draft_length", "fixed", ["fixed", "dynamic"], "speculative draft length")
 flags.DEFINE_enum("kv_missing", "propagate", ["propagate", "deferred"], "early exit: K/V of skipped layers")
 flags.DEFINE_enum("decider", "confidence", ["confidence", "saturation"], "distance_exit decider")
+flags.DEFINE_bool("exit_confirm", False, "m2r2_exit: a token the router releases leaves only if its exit head's max "
+                  "probability is >= --tau too")
 flags.DEFINE_integer("exit_layer", None, "distance_spec draft depth E (default: the M2R2 draft's cost)")
 flags.DEFINE_string("out", None, "output JSONL file")
 flags.DEFINE_string("chat_template", "auto", "text prompts: auto (the checkpoint's chat template when it has one), "
@@ -111,8 +113,8 @@ def main(argv):
                            temperature=FLAGS.temperature, top_p=FLAGS.top_p, seed=FLAGS.seed,
                            batch_size=FLAGS.batch_size, gamma=FLAGS.gamma, draft_length=FLAGS.draft_length,
                            tau=FLAGS.tau, eos_ids=eos, m2r2=m2r2, draft=draft, exit_layer=FLAGS.exit_layer,
-                           decider=FLAGS.decider, kv_missing=FLAGS.kv_missing, draft_vocab=vocab,
-                           layer_loop=FLAGS.layer_loop)
+                           decider=FLAGS.decider, exit_confirm=FLAGS.exit_confirm, kv_missing=FLAGS.kv_missing,
+                           draft_vocab=vocab, layer_loop=FLAGS.layer_loop)
     rows = [_output_row(p, r, tokenizer, FLAGS.include_prompt) for p, r in zip(prompts, results)]
     import jax
 

@@ -303,6 +303,7 @@ def build_engine(
     exit_layer: Optional[int] = None,
     exit_norm_scale=None,
     decider: str = "confidence",
+    exit_confirm: bool = False,
     kv_missing: str = "propagate",
     deferred_window: int = 8,
     accept_fn: Optional[Callable] = None,
@@ -322,7 +323,9 @@ def build_engine(
     `layer_loop`: "scan" (a `lax.scan` over the stacked layers), "unrolled" (the base's and the
     draft model's layers unstacked, `transformer.unstack_layers`, and every layer loop unrolled:
     faster one-token steps on CPU, longer compiles; no sharding plan) or "auto" (`resolve_layer_loop`). Tokens are the same either way.
-    `eos_ids`: stop a sequence after the first token that is any of these ids (`check_eos_ids`)."""
+    `eos_ids`: stop a sequence after the first token that is any of these ids (`check_eos_ids`).
+    `exit_confirm` (m2r2_exit): a token the router releases leaves only if its exit head's max
+    probability is >= tau too (`early_exit.M2R2Exit.confirm`)."""
     if method not in METHODS:
         raise ConfigError(f"method={method!r} is invalid: expected one of {', '.join(METHODS)}")
     if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens <= 0:
@@ -339,6 +342,8 @@ def build_engine(
         raise ConfigError(f"deferred_window={deferred_window!r} is invalid: expected a positive integer")
     if decider not in DECIDERS:
         raise ConfigError(f"decider={decider!r} is invalid: expected confidence or saturation")
+    if exit_confirm and method != "m2r2_exit":
+        raise ConfigError(f"exit_confirm is for m2r2_exit (its router's exits confirmed by the exit head), not {method}")
     layer_loop = resolve_layer_loop(layer_loop, method, plan)
     params = {"base": base_params}
     drafter = None
@@ -367,7 +372,7 @@ def build_engine(
             drafter = speculative.M2R2Drafter(cfg, mcfg, bool(reuse_shared_layers), n_vocab)
             params["m2r2"] = m2r2_params
         else:
-            drafter = early_exit.M2R2Exit(cfg, mcfg, kv_missing, int(deferred_window))
+            drafter = early_exit.M2R2Exit(cfg, mcfg, kv_missing, int(deferred_window), bool(exit_confirm))
             params["m2r2"] = m2r2_params
     elif method == "two_model":
         if draft is None:
@@ -574,6 +579,7 @@ def generate(
     draft=None,
     exit_layer: Optional[int] = None,
     decider: str = "confidence",
+    exit_confirm: bool = False,
     kv_missing: str = "propagate",
     plan=None,
     draft_vocab=None,
@@ -588,12 +594,13 @@ def generate(
     (dynamic draft length and early exit). eos_ids: stop a sequence after the first token that is any
     of these ids (one int or a sequence of ints; None or empty: never).
     draft_vocab: token ids the m2r2_spec / distance_spec draft head scores (`decoding.draft_vocab`).
-    layer_loop: "scan", "unrolled" or "auto" (`resolve_layer_loop`).
+    layer_loop: "scan", "unrolled" or "auto" (`resolve_layer_loop`). exit_confirm: m2r2_exit's exits
+    also need a confident exit head (`build_engine`).
     """
     engine = build_engine(method, cfg, base_params, max_new_tokens=max_new_tokens, temperature=temperature,
                           top_p=top_p, gamma=gamma, draft_length=draft_length, eos_ids=eos_ids, m2r2=m2r2,
-                          draft=draft, exit_layer=exit_layer, decider=decider, kv_missing=kv_missing, plan=plan,
-                          draft_vocab=draft_vocab, layer_loop=layer_loop)
+                          draft=draft, exit_layer=exit_layer, decider=decider, exit_confirm=exit_confirm,
+                          kv_missing=kv_missing, plan=plan, draft_vocab=draft_vocab, layer_loop=layer_loop)
     if line_numbers is not None and len(line_numbers) != len(prompts):
         raise ConfigError(f"line_numbers has {len(line_numbers)} entries for {len(prompts)} prompts")
     if not len(prompts):

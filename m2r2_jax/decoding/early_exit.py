@@ -6,7 +6,10 @@ Two runners, each one decoding round = one token per sequence, inside the generi
   (sigmoid(exit_logit) >= tau) at step i -- the token comes from the exit head at step i -- or until
   step K; a token that never fires finishes in the slow stream (layers b..N-1 from h_b). With a
   router that reads the state only (`router_features="state"`) the exit head runs only in a step
-  where a token leaves.
+  where a token leaves; with one that can give up (`router_give_up`) a token also stops its fast
+  steps at the first step where the router expects no later step to be safe (probability < tau).
+  `confirm`: a released token leaves only if the step's exit head is confident too (max
+  probability >= tau), else it goes on to the next step.
 - `DistanceExit` ("distance_exit"): slow layers with the exit head after each one and a decider:
   "confidence" (max softmax probability >= tau) or "saturation" (cosine of consecutive states >=
   tau); the token leaves at the first layer that fires (the last layer always does).
@@ -245,6 +248,10 @@ class M2R2Exit:
     mcfg: Any  # m2r2.config.M2R2Config
     kv_missing: str = "propagate"
     window: int = 8
+    # a token the router releases leaves only if the step's exit head is also confident (max
+    # probability >= tau); otherwise it goes on. The router proposes, the head (computed only
+    # where the router proposes, with a state router) confirms: precision for fewer exits.
+    confirm: bool = False
 
     def init_extra(self, batch: int, cache_len: int):
         return init_window(self.cfg, batch, self.window, cache_len) if self.kv_missing == "deferred" else ()
@@ -256,7 +263,8 @@ class M2R2Exit:
         return (draft_cost_layers(self.cfg, self.mcfg) - self.mcfg.branch_layer) / k
 
     def round(self, sampling: Sampling, max_new: int, eos_ids: tuple[int, ...], params, tau, st: GenState) -> GenState:
-        from m2r2_jax.m2r2.fast_stream import exit_head_logits, fast_step, init_traj, visited_layers
+        from m2r2_jax.m2r2.fast_stream import exit_head_logits, fast_step, init_traj, router_later, visited_layers
+        from m2r2_jax.m2r2.router import step_scalars
 
         cfg, mcfg, base, m2 = self.cfg, self.mcfg, params["base"], params["m2r2"]
         n, s, bl, k = cfg.n_layers, cache_length(st.cache), mcfg.branch_layer, mcfg.steps(cfg)
@@ -271,23 +279,31 @@ class M2R2Exit:
         # shared slow layers 0..b-1 (exact; deferred positions waiting there join)
         h_b, cache, win, cost = _slow_range(cfg, base, 0, bl, x0, pos, live, st.cache, win)
 
-        # fast steps until the router fires
+        # fast steps until the router fires (or gives up)
         def step(i, c):
-            run = ~c["fired"]
+            run = ~c["stopped"]
             wp = jnp.where(run, pos, s)[:, None]
             # a "logits" router's step brings its exit-head logits: the router reads them, an exiting
             # token is drawn from them (one vocabulary-wide head per step, not two); a "state"
             # router's does not, and the head runs only in a step where some token leaves
             g, cache, traj, el, logits = fast_step(cfg, mcfg, base, m2, i, c["g"], wp, c["cache"], c["traj"])
-            newly = run & (jax.nn.sigmoid(el[:, 0].astype(jnp.float32)) >= tau)
+            proposed = run & (jax.nn.sigmoid(el[:, 0].astype(jnp.float32)) >= tau)
+            give_up = jnp.zeros_like(run)
+            if mcfg.router_give_up:  # neither here nor later: finish in the slow stream from now
+                later = router_later(cfg, mcfg, m2, traj["z"], i, step_scalars(mcfg.router_features, logits, g, c["g"]))
+                give_up = run & (jax.nn.sigmoid(later[:, 0].astype(jnp.float32)) < tau)
             if logits is None:
-                logits = jax.lax.cond(jnp.any(newly), lambda: exit_head_logits(cfg, mcfg, base, m2, i, g)[:, 0],
+                logits = jax.lax.cond(jnp.any(proposed), lambda: exit_head_logits(cfg, mcfg, base, m2, i, g)[:, 0],
                                       lambda: c["logits"])
             else:
                 logits = logits[:, 0]
+            newly = proposed
+            if self.confirm:
+                newly = proposed & (jnp.max(jax.nn.softmax(logits.astype(jnp.float32), axis=-1), axis=-1) >= tau)
+            stops = newly | give_up
             return {
                 "g": jnp.where(run[:, None, None], g, c["g"]), "cache": cache, "traj": traj,
-                "fired": c["fired"] | newly, "by_router": c["by_router"] | newly,
+                "stopped": c["stopped"] | stops, "by_router": c["by_router"] | newly,
                 "exit_step": jnp.where(newly, i, c["exit_step"]),
                 "logits": jnp.where(newly[:, None], logits, c["logits"]),
                 "steps": c["steps"] + run.astype(jnp.float32),
@@ -295,9 +311,9 @@ class M2R2Exit:
 
         c = _loop(0, k, {
             "g": h_b, "cache": cache, "traj": init_traj(cfg, mcfg, b, 1),
-            "fired": st.done, "by_router": jnp.zeros_like(st.done), "exit_step": jnp.full((b,), k - 1, jnp.int32),
+            "stopped": st.done, "by_router": jnp.zeros_like(st.done), "exit_step": jnp.full((b,), k - 1, jnp.int32),
             "logits": jnp.zeros((b, v), jnp.float32), "steps": jnp.zeros((b,), jnp.float32),
-        }, step, lambda c: ~c["fired"], is_unstacked(base))
+        }, step, lambda c: ~c["stopped"], is_unstacked(base))
         exited = live & c["by_router"]
 
         # tokens the router never released finish in the slow stream; a full window forces the

@@ -32,6 +32,9 @@ class M2R2Config:
     # max probability and entropy, plus the velocity) or "state" (the velocity only, so an early
     # exit computes the vocabulary-wide head only for tokens that leave: see router.py)
     router_features: str = "logits"
+    # the router also predicts whether a later step will be safe, and m2r2_exit stops a token's fast
+    # stream once neither this step nor a later one is expected to be (router.py: "Giving up")
+    router_give_up: bool = False
     exit_norm: bool = True  # learned per-step scale on the frozen final norm
     moe_fast_mlp: str = "experts"  # fast MLP at MoE layers: routed experts | low-rank dense | none
     moe_lowrank_dim: int = 64
@@ -88,6 +91,8 @@ class M2R2Config:
         for name in ("router_dim", "router_hidden", "moe_lowrank_dim"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) <= 0:
                 fail(name, getattr(self, name), "expected a positive integer")
+        if not isinstance(self.router_give_up, bool):
+            fail("router_give_up", self.router_give_up, "expected True or False")
         if self.router_features not in ROUTER_FEATURES:
             fail("router_features", self.router_features, f"expected one of {', '.join(ROUTER_FEATURES)}")
         if self.moe_fast_mlp not in MOE_FAST_MLP:

@@ -7,7 +7,12 @@ Config (an ml_collections ConfigDict, see `configs/m2r2/`):
     base_checkpoint   model directory of the frozen base (`m2r2 pretrain` / `m2r2 convert` output)
     m2r2              fields of `M2R2Config`
     loss              fields of `LossConfig`
-    schedule          "two_stage" (default: stream, then router on the frozen stream) | "joint"
+    schedule          "two_stage" (default: stream, then router on the frozen stream) | "joint" |
+                      "router" (the router stage only, on the frozen stream of `init_m2r2`)
+    init_m2r2         "" or an M2R2 checkpoint of this base whose stream (adapters, rates, exit
+                      norms) the run starts from; its stream fields of `m2r2` must be this config's.
+                      Its deciders are kept too when the router fields match, else trained afresh
+                      (e.g. a router that reads the state only, or one that can give up)
     train             the stream (or joint) stage: `m2r2_jax.training.config.train_section()`
     router_train      the router stage (same fields; used with "two_stage")
     data              corpus section (tokenizer "" = the base checkpoint's tokenizer)
@@ -48,7 +53,9 @@ from m2r2_jax.models.checkpoint import load_config, load_model, params_fingerpri
 from m2r2_jax.training.config import data_section, train_section, validate_data, validate_train
 from m2r2_jax.training.loop import train
 
-SCHEDULES = ("two_stage", "joint")
+SCHEDULES = ("two_stage", "joint", "router")
+# M2R2Config fields that shape the deciders only: an init checkpoint may differ in these
+DECIDER_FIELDS = ("router_dim", "router_hidden", "router_features", "router_give_up", "kernel_implementation")
 M2R2_DIR = "m2r2"
 
 
@@ -69,6 +76,7 @@ def distill_config() -> ml_collections.ConfigDict:
     cfg.schedule = "two_stage"
     cfg.teacher_cache = False
     cfg.draft_vocab = ""
+    cfg.init_m2r2 = ""
     cfg.seed = 0
     cfg.train = train_section()
     cfg.train.update(dict(steps=300, learning_rate=2e-3, warmup_steps=20, weight_decay=0.0, checkpoint_every=100))
@@ -89,12 +97,18 @@ def validate_distill(cfg, base_cfg=None) -> tuple:
         raise ConfigError(f"teacher_cache={cfg.teacher_cache!r} is invalid: expected True or False")
     if cfg.schedule not in SCHEDULES:
         raise ConfigError(f"schedule={cfg.schedule!r} is invalid: expected one of {', '.join(SCHEDULES)}")
+    init = cfg.get("init_m2r2", "")
+    if not isinstance(init, str):
+        raise ConfigError(f"init_m2r2={init!r} is invalid: expected an M2R2 checkpoint directory or ''")
+    if cfg.schedule == "router" and not init:
+        raise ConfigError("schedule='router' trains the deciders on a trained stream: set "
+                          "--config.init_m2r2=M2R2_CHECKPOINT")
     draft_vocab = cfg.get("draft_vocab", "")
     if not isinstance(draft_vocab, str):
         raise ConfigError(f"draft_vocab={draft_vocab!r} is invalid: expected a draft vocabulary file or ''")
-    if draft_vocab and cfg.schedule == "joint":
-        raise ConfigError("draft_vocab is for schedule='two_stage': it trains the stream stage, and the joint "
-                          "stage's deciders learn from full-vocabulary logits")
+    if draft_vocab and cfg.schedule != "two_stage":
+        raise ConfigError(f"draft_vocab is for schedule='two_stage': it trains the stream stage, which "
+                          f"schedule={cfg.schedule!r} does not run")
     try:
         mcfg = m2r2_config_from(cfg.m2r2)
         lcfg = L.LossConfig(**cfg.loss.to_dict()).validate()
@@ -104,8 +118,9 @@ def validate_distill(cfg, base_cfg=None) -> tuple:
     if lcfg.lambda_routing > 0 and base_cfg is not None and not base_cfg.is_moe:
         raise ConfigError(f"loss.lambda_routing={lcfg.lambda_routing!r} is invalid: the base is a dense "
                           f"{base_cfg.family} model with no routing to distil (set it for MoE bases)")
-    validate_train(cfg.train)
-    if cfg.schedule == "two_stage":
+    if cfg.schedule != "router":
+        validate_train(cfg.train)
+    if cfg.schedule != "joint":
         validate_train(cfg.router_train)
     for section in ("train", "router_train"):
         coef = cfg[section].get("moe_aux_loss_coef", 0.0)
@@ -205,8 +220,9 @@ def _summarize(result) -> dict:
         keys = sorted(k for k in hist[-1] if k.startswith("agreement_step"))
         out["agreement_per_step"] = [float(np.mean([h[k] for h in hist[-10:]])) for k in
                                      sorted(keys, key=lambda s: int(s.removeprefix("agreement_step")))]
-        if "router_acc" in hist[-1]:
-            out["router_acc"] = float(np.mean([h["router_acc"] for h in hist[-10:]]))
+        for name in ("router_acc", "later_acc"):
+            if name in hist[-1]:
+                out[name] = float(np.mean([h[name] for h in hist[-10:]]))
     return out
 
 
@@ -239,11 +255,16 @@ def distill(cfg, workdir, plan=None) -> dict:
     (workdir / "config.json").write_text(cfg.to_json())
 
     m2r2_params = init_m2r2_params(base_cfg, mcfg, jax.random.key(cfg.seed))
+    init = cfg.get("init_m2r2", "")
+    if init:
+        m2r2_params = _start_from(init, base_cfg, fingerprint, mcfg, m2r2_params)
     summary = {"base_checkpoint": str(Path(cfg.base_checkpoint).absolute()), "base_fingerprint": fingerprint,
                "m2r2": mcfg.to_dict(), "schedule": cfg.schedule}
     if draft_ids is not None:
         summary["draft_vocab"] = {"file": str(Path(cfg.draft_vocab).absolute()), "size": int(draft_ids.size)}
-    first = "joint" if cfg.schedule == "joint" else "stream"
+    if init:
+        summary["init_m2r2"] = str(Path(init).absolute())
+    first = {"joint": "joint", "two_stage": "stream", "router": None}[cfg.schedule]
     cache = None
     if cfg.teacher_cache:
         examples = _indexed_examples(cfg, tok, base_cfg, mcfg, plan)
@@ -257,14 +278,15 @@ def distill(cfg, workdir, plan=None) -> dict:
             return lm_pipeline(cfg.data, tok, batch_size, seed)[0]
         return batch_iterator(examples, batch_size, seed, shuffle=cfg.data.shuffle)
 
-    m2r2_params, res = _stage(cfg.train, workdir / "stream", base_cfg, mcfg, lcfg, base_params, m2r2_params, first,
-                              data(cfg.train.batch_size, cfg.data.seed), seq_len, cfg.seed, f"distill_{first}", plan,
-                              cache, draft_ids)
-    summary[first] = _summarize(res)
-    if res.preempted:
-        summary["preempted"] = True
-        return summary
-    if cfg.schedule == "two_stage":
+    if first is not None:
+        m2r2_params, res = _stage(cfg.train, workdir / "stream", base_cfg, mcfg, lcfg, base_params, m2r2_params,
+                                  first, data(cfg.train.batch_size, cfg.data.seed), seq_len, cfg.seed,
+                                  f"distill_{first}", plan, cache, draft_ids)
+        summary[first] = _summarize(res)
+        if res.preempted:
+            summary["preempted"] = True
+            return summary
+    if cfg.schedule != "joint":
         m2r2_params, res = _stage(cfg.router_train, workdir / "router", base_cfg, mcfg, lcfg, base_params, m2r2_params,
                                   "router", data(cfg.router_train.batch_size, cfg.data.seed + 1), seq_len,
                                   cfg.seed + 1, "distill_router", plan, cache)
@@ -281,6 +303,22 @@ def distill(cfg, workdir, plan=None) -> dict:
     summary["preempted"] = False
     (workdir / "distill_summary.json").write_text(json.dumps(summary, indent=2))
     return summary
+
+
+def _start_from(path, base_cfg, fingerprint: str, mcfg: M2R2Config, fresh: dict) -> dict:
+    """`fresh` with the stream of the M2R2 checkpoint at `path` (and its deciders when they have
+    the same shape). Refuses a checkpoint of another base or with another stream in one line."""
+    from m2r2_jax.m2r2.checkpoint import load_m2r2
+
+    saved_cfg, saved = load_m2r2(path, base_cfg, fingerprint)
+    a, b = saved_cfg.to_dict(), mcfg.to_dict()
+    differ = sorted(f for f in b if f not in DECIDER_FIELDS and a[f] != b[f])
+    if differ:
+        raise ConfigError(f"init_m2r2={path} has another fast stream than this config: "
+                          + ", ".join(f"m2r2.{f}={a[f]!r} there, {b[f]!r} here" for f in differ))
+    keep_deciders = all(a[f] == b[f] for f in DECIDER_FIELDS if f != "kernel_implementation")
+    keys = L.STREAM_KEYS + (L.DECIDER_KEYS if keep_deciders else ())
+    return {k: (saved[k] if k in keys and k in saved else v) for k, v in fresh.items()}
 
 
 def _indexed_examples(cfg, tok, base_cfg, mcfg, plan) -> np.ndarray:

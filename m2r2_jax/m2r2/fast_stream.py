@@ -133,7 +133,8 @@ def _init_m2r2_params(base: ModelConfig, mcfg: M2R2Config, rng: jax.Array) -> di
     }
     g = jnp.zeros((1, 1, d))
     sc = jnp.zeros((1, 1, N_SCALARS[mcfg.router_features]))
-    params["router"] = ARLARouter(k, mcfg.router_dim, mcfg.router_hidden, base.rms_eps).init(next(rngs), g, sc)["params"]
+    params["router"] = ARLARouter(k, mcfg.router_dim, mcfg.router_hidden, base.rms_eps,
+                                  mcfg.router_give_up).init(next(rngs), g, sc)["params"]
     params["step_mlp"] = StepMLP(k, mcfg.router_hidden, base.rms_eps).init(next(rngs), g, 0)["params"]
     if mcfg.exit_norm:
         params["exit_norm"] = {"scale": jnp.ones((k, d))}
@@ -286,7 +287,8 @@ def init_traj(base: ModelConfig, mcfg: M2R2Config, batch: int, length: int) -> d
 
 
 def _router(base, mcfg, m2r2_params):
-    return ARLARouter(mcfg.steps(base), mcfg.router_dim, mcfg.router_hidden, base.rms_eps), {"params": m2r2_params["router"]}
+    mod = ARLARouter(mcfg.steps(base), mcfg.router_dim, mcfg.router_hidden, base.rms_eps, mcfg.router_give_up)
+    return mod, {"params": m2r2_params["router"]}
 
 
 def router_project(base, mcfg, m2r2_params, i, g):
@@ -297,6 +299,12 @@ def router_project(base, mcfg, m2r2_params, i, g):
 def router_score(base, mcfg, m2r2_params, traj_z, i, scalars):
     mod, v = _router(base, mcfg, m2r2_params)
     return mod.apply(v, traj_z, i, scalars, method="score")
+
+
+def router_later(base, mcfg, m2r2_params, traj_z, i, scalars):
+    """Logit of "a step after i will be safe" (`mcfg.router_give_up`)."""
+    mod, v = _router(base, mcfg, m2r2_params)
+    return mod.apply(v, traj_z, i, scalars, method="score_later")
 
 
 def step_mlp_logit(base, mcfg, m2r2_params, i, g):

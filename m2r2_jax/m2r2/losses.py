@@ -2,6 +2,7 @@
 
     L = sum_i w_i [ T^2 KL(p_slow^T || p_fast_i^T) + lambda_align (1 - cos(Norm g_i, Norm h_{j_i})) ]
         + lambda_router [ BCE(router_i, label_i) + BCE(step_mlp_i, label_i) ]
+        (+ lambda_router BCE(later_i, max_{j > i} label_j) for i < K - 1 with m2r2.router_give_up)
 
 label_i = 1[argmax Head(g_i) == argmax p_slow]. The deciders see stop-gradient copies of the fast
 states, so their loss never pulls on the adapters; which subtree actually learns is decided by what
@@ -74,6 +75,13 @@ def split_params(m2r2_params: dict, stage: str) -> tuple[dict, dict]:
     trainable = {k: v for k, v in m2r2_params.items() if k in keys}
     frozen = {k: v for k, v in m2r2_params.items() if k not in keys}
     return trainable, frozen
+
+
+def later_labels(labels: jax.Array) -> jax.Array:
+    """[K, ...] per-step "exiting here is safe" labels -> [K - 1, ...]: is some step after i safe
+    (the give-up output's target)."""
+    after = jax.lax.cummax(labels[::-1], axis=0)[::-1]  # after[i] = max over steps >= i
+    return after[1:]
 
 
 def _step_weights(k: int, kind: str) -> jax.Array:
@@ -191,6 +199,14 @@ def distill_loss(base: ModelConfig, mcfg: M2R2Config, lcfg: LossConfig, base_par
         loss = loss + lcfg.lambda_router * (bce_router + bce_mlp)
         metrics.update(router_bce=bce_router, step_mlp_bce=bce_mlp,
                        router_acc=jnp.mean(((router_logits > 0) == (labels > 0.5)).astype(jnp.float32)))
+        if mcfg.router_give_up and k > 1:  # the last step has no later one: nothing to predict there
+            later = later_labels(labels)
+            later_logits = jax.vmap(lambda i, s: F.router_later(base, mcfg, m2r2_params, z, i, s))(
+                jnp.arange(k - 1), scalars[:-1])
+            bce_later = jnp.mean(optax.sigmoid_binary_cross_entropy(later_logits, later))
+            loss = loss + lcfg.lambda_router * bce_later
+            metrics.update(later_bce=bce_later,
+                           later_acc=jnp.mean(((later_logits > 0) == (later > 0.5)).astype(jnp.float32)))
     if routing_kl is not None:
         metrics["routing_kl"] = jnp.sum(w * routing_kl)
     if skipped_kl is not None:

@@ -8,6 +8,12 @@ alone. One causal single-head attention of z_i over z_1..z_i, then a small MLP, 
 "exiting here is safe". Every decider maps step information to a score in [0, 1]; a decider with
 threshold tau fires when score >= tau.
 
+Giving up (`give_up=True`): a second output of the same hidden layer, the logit of "some LATER step
+will be safe". A token whose router neither fires at step i nor expects a later step to (its
+probability below tau too: each later step's own probability of being safe is at most that of any
+later step being safe) stops its fast stream there and finishes in the slow stream, so a token that
+will not exit pays for the few fast steps it tried, not all K.
+
 Why "state": the head's two scalars need the vocabulary-wide head at every fast step, which on a
 model whose head is a fifth of its weights (SmolLM2: 113 of 538 MB) costs more than the step's
 layer; reading the state alone, an early exit computes the head only for the tokens that leave.
@@ -47,6 +53,7 @@ class ARLARouter(nn.Module):
     dim: int = 64
     hidden: int = 64
     eps: float = 1e-6
+    give_up: bool = False  # also the "a later step will be safe" logit (`score_later`)
 
     def setup(self):
         self.norm = RMSNorm(self.eps)
@@ -57,6 +64,8 @@ class ARLARouter(nn.Module):
         self.wv = nn.Dense(self.dim, use_bias=False)
         self.mlp_in = nn.Dense(self.hidden)
         self.mlp_out = nn.Dense(1)
+        if self.give_up:
+            self.later_out = nn.Dense(1)
 
     def project(self, g: jax.Array, i) -> jax.Array:
         """z_i = P Norm(g_i) + e_i: [..., d] -> [..., dim] (float32)."""
@@ -65,6 +74,13 @@ class ARLARouter(nn.Module):
     def score(self, traj: jax.Array, i, scalars: jax.Array) -> jax.Array:
         """Exit logit at step i. traj: [K, ..., dim] (entries after step i are ignored);
         scalars: [..., N_SCALARS[features]]. `i` may be traced."""
+        return self.mlp_out(self._hidden(traj, i, scalars))[..., 0]
+
+    def score_later(self, traj: jax.Array, i, scalars: jax.Array) -> jax.Array:
+        """Logit of "a step after i will be safe" (same inputs as `score`; needs give_up=True)."""
+        return self.later_out(self._hidden(traj, i, scalars))[..., 0]
+
+    def _hidden(self, traj: jax.Array, i, scalars: jax.Array) -> jax.Array:
         zi = traj[i]
         q = self.wq(zi)
         k = self.wk(traj)
@@ -73,11 +89,12 @@ class ARLARouter(nn.Module):
         visible = (jnp.arange(traj.shape[0]) <= i).reshape((-1,) + (1,) * (s.ndim - 1))
         s = jnp.where(visible, s, -1e30)
         att = jnp.einsum("k...,k...d->...d", jax.nn.softmax(s, axis=0), v)
-        h = nn.gelu(self.mlp_in(jnp.concatenate([zi, att, scalars.astype(jnp.float32)], axis=-1)))
-        return self.mlp_out(h)[..., 0]
+        return nn.gelu(self.mlp_in(jnp.concatenate([zi, att, scalars.astype(jnp.float32)], axis=-1)))
 
     def __call__(self, g: jax.Array, scalars: jax.Array) -> jax.Array:  # init only
         traj = jnp.stack([self.project(g, i) for i in range(self.n_steps)])
+        if self.give_up:
+            self.score_later(traj, 0, scalars)
         return self.score(traj, 0, scalars)
 
 

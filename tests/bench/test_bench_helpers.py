@@ -60,6 +60,21 @@ def _fake_report():
     return {"speculative": spec, "alignment": align, "early_exit": ee}
 
 
+def test_early_exit_target_compares_the_fastest_points_that_keep_rouge():
+    row = lambda tau, sp, rouge: {"threshold": tau, "speedup": sp, "rouge_l": rouge, "early_exit_fraction": 0.1}
+    ee = {"m2r2_exit": [row(0.5, 1.3, 0.4), row(0.9, 0.95, 1.0)],
+          "m2r2_exit_confirm": [row(0.5, 1.1, 0.92), row(0.9, 0.9, 1.0)],
+          "distance_exit": [row(0.5, 0.9, 0.3), row(0.9, 0.2, 0.95)]}
+    t = R.targets({"early_exit": ee})["m2r2_exit_rouge_ge_0.9_faster_than_distance_exit"]
+    assert t["met"] and t["value"]["m2r2"]["method"] == "m2r2_exit_confirm" and t["value"]["m2r2"]["speedup"] == 1.1
+    assert t["value"]["distance_exit"]["speedup"] == 0.2
+    ee["distance_exit"].append(row(0.7, 1.2, 0.91))
+    assert not R.targets({"early_exit": ee})["m2r2_exit_rouge_ge_0.9_faster_than_distance_exit"]["met"]
+    ee = {"m2r2_exit": [row(0.5, 1.3, 0.4)], "distance_exit": [row(0.9, 0.2, 0.95)]}
+    t = R.targets({"early_exit": ee})["m2r2_exit_rouge_ge_0.9_faster_than_distance_exit"]
+    assert not t["met"] and t["value"]["m2r2"] is None  # no M2R2 point keeps the quality
+
+
 def test_targets_table_and_plots(tmp_path):
     rep = _fake_report()
     t = R.targets(rep)
@@ -67,6 +82,7 @@ def test_targets_table_and_plots(tmp_path):
     assert t["m2r2_above_distance_accepted"]["met"] and t["fast_above_slow_at_equal_compute"]["met"]
     rep["speculative"]["m2r2_spec"]["speedup_vs_ar"] = 1.1
     assert not R.targets(rep)["m2r2_spec_speedup_ge_1.5"]["met"]
+    assert "m2r2_exit_rouge_ge_0.9_faster_than_distance_exit" not in t  # no distance_exit to compare with
     rep["speculative_one_core"] = {"cpu_cores": 1, "methods": {
         "ar": {"tokens_per_s": 15.0, "speedup_vs_ar": 1.0},
         "m2r2_spec": {"tokens_per_s": 18.0, "speedup_vs_ar": 1.2}}}

@@ -11,6 +11,7 @@ import pytest
 
 from decoding_helpers import MAX_NEW, model, random_m2r2, reference_cache, run
 from m2r2_jax.decoding import api
+from m2r2_jax.errors import ConfigError
 from m2r2_jax.m2r2.config import M2R2Config
 from m2r2_jax.m2r2.fast_stream import draft_cost_layers
 from m2r2_jax.models.transformer import cache_length
@@ -168,3 +169,92 @@ def test_state_router_exits_compute_the_head_only_where_a_token_leaves(layer_loo
     for a, b in zip(got, want):
         assert (a.tokens, a.early_exits, a.draft_layers) == (b.tokens, b.early_exits, b.draft_layers)
     np.testing.assert_array_equal(np.asarray(got_state.cache["k"]), np.asarray(want_state.cache["k"]))
+
+
+GIVE_UP_MCFG = dataclasses.replace(STATE_MCFG, router_give_up=True)
+
+
+def _with_router_biases(exit_bias: float, later_bias: float):
+    """GIVE_UP_MCFG parameters whose router's exit and "later" logits are the given constants."""
+    mp = m2r2_params(GIVE_UP_MCFG)
+    router = dict(mp["router"])
+    for name, bias in (("mlp_out", exit_bias), ("later_out", later_bias)):
+        router[name] = {"kernel": np.zeros_like(router[name]["kernel"]), "bias": np.full_like(router[name]["bias"], bias)}
+    return {**mp, "router": router}
+
+
+@pytest.mark.parametrize("layer_loop", ["scan", "unrolled"])
+@pytest.mark.parametrize("later_bias,steps_run", [(-30.0, 1), (30.0, None)], ids=["gives_up", "keeps_going"])
+def test_a_router_that_gives_up_stops_the_fast_stream_and_decodes_as_ar(layer_loop, later_bias, steps_run):
+    """A router that never fires: expecting no later step to be safe, a token stops after its first
+    fast step (1 step's cost), otherwise it runs all K; either way it finishes in the slow stream
+    and its tokens and K/V cache are plain decoding's."""
+    cfg, params = model("llama")
+    k = GIVE_UP_MCFG.steps(cfg)
+    eng = api.build_engine("m2r2_exit", cfg, params, max_new_tokens=MAX_NEW, layer_loop=layer_loop,
+                           m2r2=(GIVE_UP_MCFG, _with_router_biases(-30.0, later_bias)))
+    res, state = run(eng, PROMPTS, tau=0.5)
+    ar, ar_state = run(api.build_engine("ar", cfg, params, max_new_tokens=MAX_NEW), PROMPTS)
+    step_cost = (draft_cost_layers(cfg, GIVE_UP_MCFG) - GIVE_UP_MCFG.branch_layer) / k
+    for r, a in zip(res, ar):
+        assert r.tokens == a.tokens and r.early_exits == 0
+        n = len(r.tokens) - 1
+        assert r.target_layers == pytest.approx(n * cfg.n_layers)
+        assert r.draft_layers == pytest.approx(n * (steps_run or k) * step_cost, rel=1e-5)
+    for name in ("k", "v"):
+        np.testing.assert_allclose(np.asarray(state.cache[name]), np.asarray(ar_state.cache[name]), atol=2e-5)
+
+
+def test_give_up_with_a_trained_shape_router_mixes_exits_and_stops():
+    """A random router that can give up: at one tau some tokens exit, some stop early and some
+    run every step; the unrolled loop gives the while loop's tokens, exits and compute."""
+    cfg, _ = model("llama")
+    k = GIVE_UP_MCFG.steps(cfg)
+    mp = m2r2_params(GIVE_UP_MCFG)
+    router = {**mp["router"], "later_out": {**mp["router"]["later_out"],
+                                            "bias": mp["router"]["later_out"]["bias"] + 0.3}}
+    mp = {**mp, "router": router}
+
+    def go(layer_loop, mcfg=GIVE_UP_MCFG, m2=mp):
+        cfg, params = model("llama")
+        eng = api.build_engine("m2r2_exit", cfg, params, max_new_tokens=MAX_NEW, layer_loop=layer_loop,
+                               m2r2=(mcfg, m2))
+        return run(eng, PROMPTS, tau=STATE_TAU)[0]
+
+    want, got = go("scan"), go("unrolled")
+    # the same exit logits without the give-up output: every token that does not exit runs all K steps
+    never = go("scan", STATE_MCFG, {**mp, "router": {n: v for n, v in router.items() if n != "later_out"}})
+    step_cost = (draft_cost_layers(cfg, GIVE_UP_MCFG) - GIVE_UP_MCFG.branch_layer) / k
+    tokens = sum(len(r.tokens) - 1 for r in want)
+    steps = sum(r.draft_layers for r in want) / step_cost
+    assert sum(r.early_exits for r in want) > 0
+    assert tokens < steps < sum(r.draft_layers for r in never) / step_cost
+    for a, b in zip(got, want):
+        assert (a.tokens, a.early_exits) == (b.tokens, b.early_exits)
+        assert (a.target_layers, a.draft_layers) == pytest.approx((b.target_layers, b.draft_layers))
+
+
+@pytest.mark.parametrize("layer_loop", ["scan", "unrolled"])
+def test_confirmed_exits_need_a_confident_exit_head(layer_loop):
+    """A router that releases every token at tau 1.0 (logit 30: sigmoid rounds to 1): alone, every
+    token leaves at the first fast step; with `exit_confirm` the exit head of this random model is
+    never that sure, so no token leaves, every token runs all K steps (the router never gives up
+    here) and decoding is plain decoding's."""
+    cfg, params = model("llama")
+    k = GIVE_UP_MCFG.steps(cfg)
+    m2 = (GIVE_UP_MCFG, _with_router_biases(30.0, 30.0))
+    ar, _ = run(api.build_engine("ar", cfg, params, max_new_tokens=MAX_NEW), PROMPTS)
+    step_cost = (draft_cost_layers(cfg, GIVE_UP_MCFG) - GIVE_UP_MCFG.branch_layer) / k
+    for confirm in (False, True):
+        eng = api.build_engine("m2r2_exit", cfg, params, max_new_tokens=MAX_NEW, layer_loop=layer_loop, m2r2=m2,
+                               exit_confirm=confirm)
+        res, _ = run(eng, PROMPTS, tau=1.0)
+        for r, a in zip(res, ar):
+            n = len(r.tokens) - 1
+            if confirm:
+                assert r.tokens == a.tokens and r.early_exits == 0
+                assert r.draft_layers == pytest.approx(n * k * step_cost, rel=1e-5)
+            else:
+                assert r.early_exits == n and r.draft_layers == pytest.approx(n * step_cost, rel=1e-5)
+    with pytest.raises(ConfigError, match="exit_confirm is for m2r2_exit"):
+        api.build_engine("distance_exit", cfg, params, max_new_tokens=MAX_NEW, exit_confirm=True)

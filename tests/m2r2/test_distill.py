@@ -220,3 +220,46 @@ def test_draft_vocab_distillation(tiny_base, tmp_path, monkeypatch):
     bad.schedule = "joint"
     with pytest.raises(ConfigError, match="draft_vocab is for schedule='two_stage'"):
         distill(bad, tmp_path / "bad2")
+
+
+def test_router_stage_on_a_trained_stream_with_a_router_that_gives_up(tiny_base, tmp_path):
+    """schedule="router" + init_m2r2: the stream of an existing checkpoint stays bit-identical and
+    a router of another shape (state features, a give-up output) is trained on it; a checkpoint with
+    another stream, or the schedule without a checkpoint, is refused in one line."""
+    from m2r2_jax.m2r2.config import M2R2Config
+    from m2r2_jax.m2r2.fast_stream import init_m2r2_params
+
+    root, cfg, params, _ = tiny_base
+    fp = MC.params_fingerprint(cfg, params)
+    mcfg = M2R2Config(branch_layer=1, rate=2, lora_rank=4, router_dim=8, router_hidden=8)
+    trained = init_m2r2_params(cfg, mcfg, jax.random.key(3))
+    trained["adapters"] = jax.tree.map(lambda a: a + 0.01, trained["adapters"])  # not a fresh init
+    save_m2r2(tmp_path / "logits_router", mcfg, trained, cfg, fp)
+    c = _cfg(root / "base")
+    c.schedule = "router"
+    c.init_m2r2 = str(tmp_path / "logits_router")
+    c.m2r2.update(dict(router_features="state", router_give_up=True))
+    summary = distill(c, tmp_path / "run")
+    assert "stream" not in summary and summary["router"]["step"] == 2 and "later_acc" in summary["router"]
+    got_cfg, got = load_m2r2(tmp_path / "run" / "m2r2", cfg, fp)
+    assert (got_cfg.router_features, got_cfg.router_give_up) == ("state", True)
+    for key in ("adapters", "rates", "exit_norm"):
+        assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(trained[key]), jax.tree.leaves(got[key])))
+    assert "later_out" in got["router"] and got["router"]["mlp_in"]["kernel"].shape[0] == 8 + 8 + 1
+    c.schedule = "router"
+    c.init_m2r2 = ""
+    with pytest.raises(ConfigError, match="schedule='router' trains the deciders on a trained stream"):
+        distill(c, tmp_path / "bad1")
+    c.init_m2r2 = str(tmp_path / "logits_router")
+    c.m2r2.rate = 3
+    with pytest.raises(ConfigError, match="another fast stream than this config: m2r2.rate=2 there, 3 here"):
+        distill(c, tmp_path / "bad2")
+
+
+def test_later_labels_mark_steps_with_a_safe_step_after_them():
+    from m2r2_jax.m2r2.losses import later_labels
+
+    rng = np.random.default_rng(0)
+    labels = (rng.random((6, 3, 5)) < 0.3).astype(np.float32)
+    want = np.stack([labels[i + 1:].max(axis=0) for i in range(5)])
+    np.testing.assert_array_equal(np.asarray(later_labels(labels)), want)
