@@ -19,49 +19,30 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
 
 def main(argv=None) -> dict:
-    p = argparse.ArgumentParser(prog="python -m m2r2_jax.bench.exit_overhead", description=__doc__.split("\n")[0])
-    p.add_argument("--checkpoint", required=True)
-    p.add_argument("--m2r2", required=True)
-    p.add_argument("--n_prompts", type=int, default=2)
-    p.add_argument("--max_new_tokens", type=int, default=64)
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--loops", default="scan,unrolled", help="the exit methods' layer loops, comma-separated")
-    p.add_argument("--out", default=None)
-    a = p.parse_args(sys.argv[1:] if argv is None else argv)
-    for flag, path in (("--checkpoint", a.checkpoint), ("--m2r2", a.m2r2)):
-        if not Path(path).is_dir():
-            p.error(f"{flag} {path}: no such directory")
-    if min(a.n_prompts, a.max_new_tokens, a.repeats) < 1:
-        p.error("--n_prompts, --max_new_tokens and --repeats must be positive")
-    from m2r2_jax.json_files import report_path_error
+    from m2r2_jax.bench.exit_cli import add_run_args, check_run_args, load_run
 
+    p = argparse.ArgumentParser(prog="python -m m2r2_jax.bench.exit_overhead", description=__doc__.split("\n")[0])
+    add_run_args(p, n_prompts=2, max_new_tokens=64, repeats=3)
+    p.add_argument("--loops", default="scan,unrolled", help="the exit methods' layer loops, comma-separated")
+    a = p.parse_args(sys.argv[1:] if argv is None else argv)
+    check_run_args(p, a)
     loops = [x for x in a.loops.split(",") if x]
     if not loops or set(loops) - {"scan", "unrolled"}:
         p.error(f"--loops {a.loops}: expected scan, unrolled or both")
-    err = report_path_error(a.out)
-    if err:
-        p.error(err)
 
     import dataclasses
 
     import jax
     import numpy as np
 
-    from m2r2_jax.bench.prompts import chat_prompt_ids
     from m2r2_jax.bench.speculative import per_answer_timing_side_by_side
-    from m2r2_jax.data.tokenizer import load_tokenizer
     from m2r2_jax.decoding import api
     from m2r2_jax.m2r2.fast_stream import init_m2r2_params
-    from m2r2_jax.m2r2.loading import load_base_and_m2r2
-    from m2r2_jax.models.checkpoint import tokenizer_path
 
-    cfg, params, mcfg, m2r2_params, _ = load_base_and_m2r2(a.checkpoint, a.m2r2)
-    tok = load_tokenizer(tokenizer_path(a.checkpoint))
-    prompts, _ = chat_prompt_ids(tok, "mt_bench", a.n_prompts)
+    cfg, params, mcfg, m2r2_params, tok, prompts = load_run(a)
     common = dict(max_new_tokens=a.max_new_tokens, eos_ids=list(tok.eos_ids))
     runners = {"ar": (api.build_engine("ar", cfg, params, layer_loop="auto", **common), 0.5)}
     exits = {"m2r2_exit": ("m2r2_exit", dict(m2r2=(mcfg, m2r2_params)))}

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
 
 def _floats(text: str) -> list:
@@ -26,24 +25,16 @@ def _floats(text: str) -> list:
 
 
 def main(argv=None) -> dict:
+    from m2r2_jax.bench.exit_cli import add_run_args, check_run_args, load_run
     from m2r2_jax.bench.speculative import EXIT_VARIANTS
 
     p = argparse.ArgumentParser(prog="python -m m2r2_jax.bench.exit_sweep", description=__doc__.split("\n")[0])
-    p.add_argument("--checkpoint", required=True)
-    p.add_argument("--m2r2", required=True)
+    add_run_args(p, n_prompts=4, max_new_tokens=128, repeats=1)
     p.add_argument("--taus", default="0.5,0.9")
     p.add_argument("--methods", default="m2r2_exit,distance_exit")
     p.add_argument("--kv_missing", default="propagate", choices=("propagate", "deferred"))
-    p.add_argument("--n_prompts", type=int, default=4)
-    p.add_argument("--max_new_tokens", type=int, default=128)
-    p.add_argument("--repeats", type=int, default=1)
-    p.add_argument("--out", default=None)
     a = p.parse_args(sys.argv[1:] if argv is None else argv)
-    for flag, path in (("--checkpoint", a.checkpoint), ("--m2r2", a.m2r2)):
-        if not Path(path).is_dir():
-            p.error(f"{flag} {path}: no such directory")
-    if min(a.n_prompts, a.max_new_tokens, a.repeats) < 1:
-        p.error("--n_prompts, --max_new_tokens and --repeats must be positive")
+    check_run_args(p, a)
     try:
         taus = _floats(a.taus)
     except ValueError:
@@ -54,21 +45,11 @@ def main(argv=None) -> dict:
     unknown = sorted(set(methods) - set(EXIT_VARIANTS))
     if not methods or unknown:
         p.error(f"--methods {a.methods}: expected some of {', '.join(EXIT_VARIANTS)}")
-    from m2r2_jax.json_files import emit_json_report, report_path_error
 
-    err = report_path_error(a.out)
-    if err:
-        p.error(err)
-
-    from m2r2_jax.bench.prompts import chat_prompt_ids
     from m2r2_jax.bench.speculative import early_exit_sweep
-    from m2r2_jax.data.tokenizer import load_tokenizer
-    from m2r2_jax.m2r2.loading import load_base_and_m2r2
-    from m2r2_jax.models.checkpoint import tokenizer_path
+    from m2r2_jax.json_files import emit_json_report
 
-    cfg, params, mcfg, m2r2_params, _ = load_base_and_m2r2(a.checkpoint, a.m2r2)
-    tok = load_tokenizer(tokenizer_path(a.checkpoint))
-    prompts, _ = chat_prompt_ids(tok, "mt_bench", a.n_prompts, limit=cfg.max_seq_len - a.max_new_tokens - 1)
+    cfg, params, mcfg, m2r2_params, tok, prompts = load_run(a)
     rows = early_exit_sweep(cfg, params, prompts, max_new_tokens=a.max_new_tokens, thresholds=taus,
                             m2r2=(mcfg, m2r2_params), methods=tuple(methods), repeats=a.repeats,
                             eos_ids=list(tok.eos_ids), kv_missing=a.kv_missing)
