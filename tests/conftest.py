@@ -19,11 +19,19 @@ sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _ROOT]
 # the suite is between programs built alike; the fully optimised build's lossless identity is what
 # `m2r2 bench` and `make demo` check on every run (report["speculative"][m]["identical_to_ar"]).
 FAST_COMPILE = "--xla_llvm_disable_expensive_passes=true --xla_backend_optimization_level=0"
+# XLA:CPU's older LLVM IR emitters compile a fusion in about half the time its newer MLIR fusion
+# emitters take (the one-core `m2r2 bench` of tests/bench/test_bench_cli.py: 55 -> 30 s, nearly all
+# of it compiling). The end-to-end tests whose time is compiling in processes of their own (the
+# Colab notebooks' kernels, the documented commands' workers, the one-core bench) add this; each
+# compares only programs compiled in one such process, or in processes started with the same flags.
+OLD_EMITTERS = "--xla_cpu_use_fusion_emitters=false"
 
 
-def cpu_xla_flags(devices: int) -> str:
-    """XLA_FLAGS for a test process (this one, CLI subprocesses): `devices` fake CPU devices, fast compiles."""
-    return f"--xla_force_host_platform_device_count={devices} {FAST_COMPILE}"
+def cpu_xla_flags(devices: int, old_emitters: bool = False) -> str:
+    """XLA_FLAGS for a test process (this one, CLI subprocesses): `devices` fake CPU devices, fast
+    compiles (`old_emitters`: faster still, see OLD_EMITTERS)."""
+    flags = f"--xla_force_host_platform_device_count={devices} {FAST_COMPILE}"
+    return f"{flags} {OLD_EMITTERS}" if old_emitters else flags
 
 
 os.environ.setdefault("XLA_FLAGS", cpu_xla_flags(8))

@@ -241,6 +241,9 @@ def _distill_here(arts: Path, spec: DemoModel, base_dir: Path, fp: str, override
     from m2r2_jax.training.config import load_config_file
 
     t0 = time.time()
+    probe = load_config_file(CONFIG_DIR / "m2r2" / f"{spec.recipe}.py")
+    for key, value in overrides.items():  # a bad override fails now, not after minutes of answering prompts
+        _set_dotted(probe, key, value)
     data_key = {"base": fp, "max_new_tokens": spec.data_max_new_tokens, "max_prompts": spec.data_max_prompts}
     data_dir = artifact(arts, "distill_data", data_key, lambda wd: _make_data(wd, base_dir, spec), force)
     cfg = load_config_file(CONFIG_DIR / "m2r2" / f"{spec.recipe}.py")

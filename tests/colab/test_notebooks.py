@@ -7,9 +7,10 @@ kernel is this interpreter (an ipykernel `python3` kernelspec written to a tempo
 a temporary working directory, with this interpreter's bin folder first on PATH so the notebooks'
 `!m2r2 ...` lines reach this install. The kernel sees one CPU device, as on a Colab CPU runtime:
 the 8 fake devices that tests/conftest.py sets up for the sharding tests are dropped from its
-XLA_FLAGS; the persistent JAX compilation cache is kept.
+XLA_FLAGS, which get the suite's fast-compile flags and XLA:CPU's faster-compiling emitters
+(tests/conftest.py); the persistent JAX compilation cache is kept.
 
-Compiling dominates these runs (about 100 CPU-seconds per notebook on a cold cache), so one module
+Compiling dominates these runs (about 40-60 CPU-seconds per notebook on a cold cache), so one module
 fixture executes every selected notebook once, as many at a time as there are cores, and each
 test then checks one notebook's outputs.
 """
@@ -41,12 +42,16 @@ CELL_TIMEOUT_S = 300
 # Train on the embedded corpus's held-out split (5% of it): tokenizing the whole corpus for each of
 # the four training stages would cost more than the training steps themselves.
 HELDOUT_TEXT = {"split": "heldout"}
+# The quickstart's decoding engines unroll their layer loop on CPU, so every program it compiles
+# grows with the depth: 4 layers instead of 6 took its run from ~87 to ~66 s. Branching after 1
+# layer at rate 2 keeps two fast steps (ceil(3 / 2)), as the 6-layer setting had.
+QUICKSTART_LAYERS = 4
 REDUCED = {
     "quickstart": dict(
         WORKDIR="work", PRETRAIN_STEPS=3, DISTILL_STEPS=2, ROUTER_STEPS=2, BATCH_SIZE=4, SEQ_LEN=32, ALIGN_BATCHES=1,
         N_PROMPTS=2, PROMPT_LEN=8, MAX_NEW_TOKENS=6, GAMMA=2, BATCH_SWEEP=(1,), REPEATS=1, THRESHOLDS=(0.5, 0.9),
-        METHODS=("ar", "m2r2_spec"), EXIT_METHODS=("m2r2_exit",), MODEL_OVERRIDES={"n_layers": 6},
-        M2R2_OVERRIDES={"rate": 2, "lora_rank": 4}, DATA_OVERRIDES=HELDOUT_TEXT,
+        METHODS=("ar", "m2r2_spec"), EXIT_METHODS=("m2r2_exit",), MODEL_OVERRIDES={"n_layers": QUICKSTART_LAYERS},
+        M2R2_OVERRIDES={"rate": 2, "lora_rank": 4, "branch_layer": 1}, DATA_OVERRIDES=HELDOUT_TEXT,
     ),
     "moe_offload": dict(
         WORKDIR="work", PRETRAIN_STEPS=3, DISTILL_STEPS=2, ROUTER_STEPS=2, BATCH_SIZE=4, SEQ_LEN=32, N_PROMPTS=2,
@@ -97,10 +102,12 @@ def _inject(nb, overrides: dict):
 
 def _kernel_env() -> dict:
     env = dict(os.environ)
-    from conftest import FAST_COMPILE
+    from conftest import FAST_COMPILE, OLD_EMITTERS
 
-    # one device, as in Colab; compiling dominates these tiny runs, so the suite's fast compiles
-    fast = FAST_COMPILE.split()
+    # one device, as in Colab; compiling dominates these tiny runs, so the suite's fast compiles and
+    # XLA:CPU's faster-compiling emitters (every comparison a notebook makes is inside its kernel or
+    # a process it starts, all with these flags)
+    fast = FAST_COMPILE.split() + OLD_EMITTERS.split()
     flags = [f for f in env.get("XLA_FLAGS", "").split()
              if not f.startswith("--xla_force_host_platform_device_count") and f not in fast]
     env["XLA_FLAGS"] = " ".join(flags + fast)
@@ -256,7 +263,7 @@ def executed(request, tmp_path_factory):
         jobs[test] = (_inject(_read(name), overrides), workdir)
     kernel_dir = root / "kernels"
     kernel_dir.mkdir()
-    # the longest first (cold cache, CPU-seconds: ~100, ~100, ~65, ~10), so the short ones fill the gaps
+    # the longest first (cold cache, seconds alone: ~57, ~58, ~41, ~10), so the short ones fill the gaps
     cost_order = ("test_quickstart_runs", "test_bring_your_own_model_runs", "test_moe_offload_runs",
                   "test_failing_command_stops_the_notebook")
     order = sorted(jobs, key=cost_order.index)
@@ -287,7 +294,8 @@ def test_quickstart_runs(executed):
         assert spec[m]["tokens_per_s"] == pytest.approx(
             np.mean([len(a) / t for a, t in zip(spec[m]["answers"], spec[m]["seconds_per_answer"])]))
     al = report["alignment"]
-    assert len(al["slow_agreement"]) == 6 and len(al["fast_agreement"]) == len(al["fast_beats_slow_at_equal_compute"]) == 2
+    assert len(al["slow_agreement"]) == QUICKSTART_LAYERS
+    assert len(al["fast_agreement"]) == len(al["fast_beats_slow_at_equal_compute"]) == 2
     assert al["slow_agreement"][-1] == pytest.approx(1.0)  # the last layer is the final output
     assert list(report["early_exit"]) == ["m2r2_exit"]
     assert [r["threshold"] for r in report["early_exit"]["m2r2_exit"]] == [0.5, 0.9]

@@ -9,6 +9,7 @@ import sys
 
 import pytest
 
+from conftest import cpu_xla_flags
 from decoding_helpers import model, random_m2r2
 from m2r2_jax.decoding import api
 from m2r2_jax.errors import CheckpointError, ConfigError, DataError
@@ -32,8 +33,8 @@ def ckpts(tmp_path_factory):
 
 
 def m2r2_cli(*args):
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    env.pop("XLA_FLAGS", None)
+    # one device, as a user's process sees, and the suite's fast compiles (compiling is most of a run)
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=cpu_xla_flags(1, old_emitters=True))
     return subprocess.run([sys.executable, "-m", "m2r2_jax.cli.main", "generate", *args], capture_output=True,
                           text=True, env=env, timeout=600)
 

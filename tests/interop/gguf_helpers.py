@@ -80,6 +80,34 @@ def _quantise(arr: np.ndarray, qtype):
     return gguf.quants.quantize(arr, qtype), qtype
 
 
+class AsTransformers:
+    """Weights in Hugging Face names (e.g. `params_to_hf` of ours) in the shape write_gguf reads
+    from a transformers model (its config's attributes, a state dict of tensors), so building a
+    GGUF file needs no torch."""
+
+    class _Tensor:
+        def __init__(self, a):
+            self.a = np.asarray(a, np.float32)
+
+        def detach(self):
+            return self
+
+        def float(self):
+            return self
+
+        def numpy(self):
+            return self.a
+
+    def __init__(self, config: dict, tensors: dict):
+        from types import SimpleNamespace
+
+        self.config = SimpleNamespace(**config)
+        self.tensors = tensors
+
+    def state_dict(self):
+        return {k: self._Tensor(v) for k, v in self.tensors.items()}
+
+
 def write_gguf(path, model=None, *, arch: str = "llama", qtype="F32", tokenizer=None, pre: str = "default",
                chat_template: str | None = CHATML, meta: dict | None = None, skip_tensors=(), extra_tensors=None,
                tokenizer_model: str = "gpt2"):

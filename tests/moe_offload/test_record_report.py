@@ -4,10 +4,12 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import cpu_xla_flags
 from moe_fixtures import NEW, PROMPTS, tiny_moe_setup
 
 from m2r2_jax.errors import DataError
@@ -176,8 +178,21 @@ def test_engine_ladder_skips_the_simulator_only_rungs(setup):
     assert all(v["tokens_equal_all_resident"] for v in out.values())
 
 
+def _bad_runs(arg_lists) -> list:
+    """`m2r2 moe-bench ARGS` for each bad input, in one process (tests/cli/verb_worker.py: the verb's
+    main under the same run_verb as the console script, stderr captured per case): they fail before
+    any compiling, so a process start each would be most of their time. Results as verb_worker's."""
+    cli = str(Path(__file__).resolve().parents[1] / "cli")
+    if cli not in sys.path:
+        sys.path.insert(0, cli)
+    from cli_helpers import run_in_workers
+
+    return run_in_workers({"moe-bench": arg_lists})["moe-bench"]
+
+
 def _run_cli(args, cwd):
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
+    # one device, and the suite's fast compiles (compiling is most of a run)
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=cpu_xla_flags(1, old_emitters=True))
     return subprocess.run([sys.executable, "-m", "m2r2_jax.cli.main", "moe-bench", *args],
                           capture_output=True, text=True, env=env, cwd=cwd, timeout=600)
 
@@ -200,15 +215,18 @@ def test_cli_teacher_forces_each_row_at_its_own_prompt_length(setup, tmp_path):
     assert rep["trace"]["distinct_token_fraction"] == 0.5  # 40 40 40 41: the fed tokens, not greedy ones
     assert rep["inputs"]["forced_per_row"] is True
     # a row without its split, a split too late for max_new_tokens, or both ways of splitting: one line each
-    bad = tmp_path / "bad.jsonl"
-    for text, flag, says in (('{"tokens": [3, 17, 5, 40]}\n', "--forced_per_row", "bad.jsonl:1"),
-                             ('{"tokens": [3, 17, 5, 40], "prompt_len": 3}\n', "--forced_per_row", "prompt_len=3"),
-                             ('{"tokens": [3, 17, 5, 40], "prompt_len": 1}\n', "--forced_prompt_len=1",
-                              "two ways to split")):
+    cases = []
+    for i, (text, flag, says) in enumerate((
+            ('{"tokens": [3, 17, 5, 40]}\n', "--forced_per_row", "bad0.jsonl:1"),
+            ('{"tokens": [3, 17, 5, 40], "prompt_len": 3}\n', "--forced_per_row", "prompt_len=3"),
+            ('{"tokens": [3, 17, 5, 40], "prompt_len": 1}\n', "--forced_prompt_len=1", "two ways to split"))):
+        bad = tmp_path / f"bad{i}.jsonl"
         bad.write_text(text)
         extra = ["--forced_per_row"] if says == "two ways to split" else []
-        r = _run_cli([*common, "--prompts", str(bad), flag, *extra], tmp_path)
-        assert r.returncode == 2 and says in r.stderr.strip().splitlines()[-1], r.stderr[-1000:]
+        cases.append(([*common, "--prompts", str(bad), flag, *extra], says))
+    for (_, says), r in zip(cases, _bad_runs([argv for argv, _ in cases])):
+        assert r["code"] == 2 and r["traceback"] is None, r
+        assert says in r["stderr"].strip().splitlines()[-1], r["stderr"][-1000:]
 
 
 def test_cli_writes_report_and_plots(setup, tmp_path):
@@ -237,16 +255,13 @@ def test_cli_writes_report_and_plots(setup, tmp_path):
     rep = json.loads((out / "moe_report.json").read_text())
     assert rep["m2r2"]["sources_calibrated_on_tokens"] == 10 and rep["inputs"]["calibration"] == str(calib)
     calib.write_text('{"tokens": [1, 99999]}\n')
-    r = _run_cli(["--checkpoint", str(ckpt), "--prompts", str(prompts), "--out", str(out), "--calibration", str(calib)],
-                 tmp_path)
-    assert r.returncode == 2
-    assert r.stderr.strip().splitlines()[-1].startswith("m2r2: error:") and "calib.jsonl" in r.stderr
-    r = _run_cli(["--checkpoint", str(ckpt), "--prompts", str(prompts), "--out", str(out), "--max_new_tokens", "2",
-                  "--forced_prompt_len", "2"], tmp_path)
-    assert r.returncode == 2
-    assert r.stderr.strip().splitlines()[-1].startswith("m2r2: error:") and "--forced_prompt_len=2" in r.stderr
     bad = tmp_path / "bad.jsonl"
     bad.write_text("{oops\n")
-    r = _run_cli(["--checkpoint", str(ckpt), "--prompts", str(bad), "--out", str(out)], tmp_path)
-    assert r.returncode == 2
-    assert r.stderr.strip().splitlines()[-1].startswith("m2r2: error:") and "bad.jsonl:1" in r.stderr
+    runs = _bad_runs([
+        ["--checkpoint", str(ckpt), "--prompts", str(prompts), "--out", str(out), "--calibration", str(calib)],
+        ["--checkpoint", str(ckpt), "--prompts", str(prompts), "--out", str(out), "--max_new_tokens", "2",
+         "--forced_prompt_len", "2"],
+        ["--checkpoint", str(ckpt), "--prompts", str(bad), "--out", str(out)]])
+    for r, says in zip(runs, ("calib.jsonl", "--forced_prompt_len=2", "bad.jsonl:1")):
+        assert r["code"] == 2 and r["traceback"] is None, r
+        assert r["stderr"].strip().splitlines()[-1].startswith("m2r2: error:") and says in r["stderr"], r["stderr"]

@@ -25,7 +25,8 @@ ROOT = HERE.parents[1]
 
 
 def _env(devices: int) -> dict:
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=cpu_xla_flags(devices))
+    # the processes' time is compiling: XLA:CPU's faster-compiling emitters in every process of a test
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=cpu_xla_flags(devices, old_emitters=True))
     env.pop("JAX_COMPILATION_CACHE_DIR", None)  # processes of one job would race on the same entries
     env["M2R2_COMPILE_CACHE"] = "off"
     return env
